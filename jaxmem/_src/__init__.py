@@ -1,0 +1,1 @@
+"""Private implementation of jaxmem. Import from :mod:`jaxmem` instead."""
