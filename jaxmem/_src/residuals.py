@@ -466,3 +466,136 @@ def analyze_step(
     need_y=need_y,
     recompute_eqns=recompute_eqns,
   )
+
+
+# ------------------------------------------------------------------------------------------
+# The public view of a plan.
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedResidual:
+  """One residual of a scan step's VJP, and where :func:`jaxmem.scan` gets it from.
+
+  Attributes:
+    shape: shape of the per-step value.
+    dtype: numpy dtype name.
+    bytes: bytes of the per-step value.
+    kind: one of ``"xs"``, ``"const"``, ``"carry"``, ``"ys"``, ``"recomputed"``, ``"stacked"``.
+    source: ``file:line (function)`` of the operation that produced it, or the input it is.
+  """
+
+  shape: tuple[int, ...]
+  dtype: str
+  bytes: int
+  kind: str
+  source: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanPlan:
+  """What :func:`jaxmem.scan` keeps for the backward pass of one scan, next to ``lax.scan``.
+
+  Attributes:
+    length: number of steps.
+    residuals: every residual of one step's VJP, classified.
+    stacked: what is kept per step for the backward pass: the partial activations
+      (kind ``"stacked"``), the carry leaves whose sequence is kept (kind ``"carry"``) and the ys
+      outputs the backward pass reads (kind ``"ys"``: kept alive, not copied).
+    stacked_bytes: bytes stacked over the whole scan (``length`` times the per-step ``stacked``).
+    stock_stacked_bytes: bytes :func:`jax.lax.scan` stacks for the same step (its loop-stacked
+      residuals), or None when not measured.
+  """
+
+  length: int
+  residuals: tuple[PlannedResidual, ...]
+  stacked: tuple[PlannedResidual, ...]
+  stacked_bytes: int
+  stock_stacked_bytes: int | None
+
+  @property
+  def ratio(self) -> float | None:
+    """``stacked_bytes / stock_stacked_bytes`` (None when the stock figure is unknown or 0)."""
+    if not self.stock_stacked_bytes:
+      return None
+    return self.stacked_bytes / self.stock_stacked_bytes
+
+  def counts(self) -> dict[str, int]:
+    """Number of residuals of each kind."""
+    return {k: sum(r.kind == k for r in self.residuals) for k in RESIDUAL_CLASSES}
+
+  def to_dict(self) -> dict[str, Any]:
+    """A JSON-serialisable dict of every field."""
+    return {
+      "length": self.length,
+      "residuals": [dataclasses.asdict(r) for r in self.residuals],
+      "stacked": [dataclasses.asdict(r) for r in self.stacked],
+      "stacked_bytes": self.stacked_bytes,
+      "stock_stacked_bytes": self.stock_stacked_bytes,
+      "counts": self.counts(),
+    }
+
+  def __str__(self) -> str:
+    def row(r):
+      return f"  {r.dtype}{list(r.shape)!s:<18} {r.bytes:>12,d} B  {r.kind:<10} {r.source}"
+
+    lines = [f"scan plan: {self.length} steps, {len(self.residuals)} residuals per step"]
+    lines += [row(r) for r in self.residuals]
+    lines.append("kept per step (partial activations, carry sequences, ys read back):")
+    lines += [row(r) for r in self.stacked] or ["  (nothing)"]
+    stock = (
+      "not measured"
+      if self.stock_stacked_bytes is None
+      else f"{self.stock_stacked_bytes:,d} B"
+    )
+    ratio = "" if self.ratio is None else f" ({self.ratio:.2f}x)"
+    lines.append(f"stacked over the scan: {self.stacked_bytes:,d} B{ratio}; lax.scan: {stock}")
+    return "\n".join(lines)
+
+
+def _var_source(eqn_of, v, role: str) -> str:
+  eqn = eqn_of.get(v)
+  if eqn is None:
+    return role
+  return source_info_util.summarize(eqn.source_info)
+
+
+def summarize(plan: StepAnalysis, length: int, stock_stacked_bytes: int | None) -> ScanPlan:
+  """The public :class:`ScanPlan` of an analysed step."""
+  jaxpr = plan.jaxpr
+  eqn_of = {v: e for e in jaxpr.eqns for v in e.outvars}
+  role = {}
+  for v in plan.const_invars:
+    role[v] = "const"
+  for v in plan.carry_invars:
+    role[v] = "carry"
+  for v in plan.x_invars:
+    role[v] = "xs"
+
+  def planned(v, kind):
+    aval = v.aval
+    return PlannedResidual(
+      shape=tuple(aval.shape),
+      dtype=str(np.dtype(aval.dtype)) if hasattr(aval, "dtype") else "",
+      bytes=_nbytes(aval),
+      kind=kind,
+      source=("literal" if not _is_var(v) else _var_source(eqn_of, v, role.get(v, "const"))),
+    )
+
+  residuals = tuple(
+    planned(v, kind) for v, kind in zip(plan.res_outvars, plan.res_classes, strict=True)
+  )
+  stacked = tuple(planned(v, "stacked") for v in plan.stacked_vars) + tuple(
+    planned(v, "carry")
+    for v, keep in zip(plan.carry_invars, plan.stack_carry, strict=True)
+    if keep
+  ) + tuple(
+    planned(v, "ys") for v, need in zip(plan.y_outvars, plan.need_y, strict=True) if need
+  )
+  per_step = sum(r.bytes for r in stacked)
+  return ScanPlan(
+    length=length,
+    residuals=residuals,
+    stacked=stacked,
+    stacked_bytes=per_step * length,
+    stock_stacked_bytes=stock_stacked_bytes,
+  )

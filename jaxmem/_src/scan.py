@@ -18,6 +18,7 @@ VJP: :func:`scan` raises :class:`ForwardModeError` and names :func:`jax.lax.scan
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src import core
+from jax._src.ad_checkpoint import saved_residuals as _saved_residuals
 from jax.tree_util import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from jaxmem._src import residuals as _res
@@ -62,11 +64,11 @@ def _is_arraylike(leaf) -> bool:
   )
 
 
-def _check_leaves(tree, argname: str, fname: str):
+def _check_leaves(tree, argname: str, fname: str, allow_structs: bool = False):
   """Flattens ``tree``, raising a TypeError that names the path of any non-array leaf."""
   leaves_with_paths, treedef = tree_flatten_with_path(tree)
   for path, leaf in leaves_with_paths:
-    if not _is_arraylike(leaf):
+    if not (_is_arraylike(leaf) or (allow_structs and isinstance(leaf, jax.ShapeDtypeStruct))):
       raise TypeError(
         f"{fname} got a non-array leaf in {argname}: {argname}{keystr(path)} is "
         f"{_describe(leaf)}; every leaf must be a JAX or NumPy array or a Python scalar."
@@ -151,7 +153,9 @@ class _Body:
     return list(outs[: self.n_carry]), list(outs[self.n_carry :])
 
 
-def _trace_body(f, fname, init_tree, init_paths, carry_avals, xs_tree, x_avals) -> _Body:
+def _trace_body(
+  f, fname, init_tree, init_paths, carry_avals, xs_tree, x_avals, diff_consts=False
+) -> _Body:
   n_carry = len(carry_avals)
   out_trees = []
 
@@ -178,7 +182,11 @@ def _trace_body(f, fname, init_tree, init_paths, carry_avals, xs_tree, x_avals) 
   jaxpr = closed.jaxpr
   # Traced constants (tracers of an outer transformation) become explicit inputs, so they get
   # cotangents; concrete constants stay constants.
-  is_traced = [isinstance(c, core.Tracer) for c in closed.consts]
+  # With diff_consts, concrete float constants count as traced too (as parameters would be).
+  is_traced = [
+    isinstance(c, core.Tracer) or (diff_consts and jnp.issubdtype(jnp.result_type(c), jnp.inexact))
+    for c in closed.consts
+  ]
   traced_vars = [v for v, t in zip(jaxpr.constvars, is_traced, strict=True) if t]
   traced_vals = [c for c, t in zip(closed.consts, is_traced, strict=True) if t]
   kept_vars = [v for v, t in zip(jaxpr.constvars, is_traced, strict=True) if not t]
@@ -189,7 +197,7 @@ def _trace_body(f, fname, init_tree, init_paths, carry_avals, xs_tree, x_avals) 
   return body, out_avals
 
 
-def _prepare(f, init, xs, length, unroll, recompute, fname):
+def _prepare(f, init, xs, length, unroll, recompute, fname, diff_consts=False):
   """Checks the arguments and traces the body (promoting weak-typed init leaves once)."""
   if not callable(f):
     raise TypeError(f"{fname} expected a callable body f(carry, x), got {_describe(f)}.")
@@ -202,7 +210,9 @@ def _prepare(f, init, xs, length, unroll, recompute, fname):
   xs_leaves = [x if isinstance(x, core.Tracer) else jnp.asarray(x) for x in xs_leaves]
   carry_avals = [_aval(x) for x in init_leaves]
   x_avals = [core.ShapedArray(np.shape(x)[1:], jax.dtypes.result_type(x)) for x in xs_leaves]
-  body, out_avals = _trace_body(f, fname, init_tree, init_paths, carry_avals, xs_tree, x_avals)
+  body, out_avals = _trace_body(
+    f, fname, init_tree, init_paths, carry_avals, xs_tree, x_avals, diff_consts
+  )
   changed = False
   for i, (a_in, a_out) in enumerate(zip(carry_avals, out_avals, strict=True)):
     if a_in.weak_type and not core.typematch(a_in, a_out):
@@ -212,7 +222,9 @@ def _prepare(f, init, xs, length, unroll, recompute, fname):
       changed = True
   if changed:
     carry_avals = [_aval(x) for x in init_leaves]
-    body, out_avals = _trace_body(f, fname, init_tree, init_paths, carry_avals, xs_tree, x_avals)
+    body, out_avals = _trace_body(
+    f, fname, init_tree, init_paths, carry_avals, xs_tree, x_avals, diff_consts
+  )
   for path, a_in, a_out in zip(init_paths, carry_avals, out_avals, strict=True):
     if not core.typematch(a_in, a_out):
       raise TypeError(
@@ -274,6 +286,8 @@ def _build_scan(body: _Body, length: int, reverse: bool, unroll, recompute: str)
       recompute,
     )
     plan_cache.append(plan)
+    for collector in _PLAN_COLLECTORS:
+      collector.append(_res.summarize(plan, length, _stock_stacked_bytes(body, plan, length)))
     return plan
 
   def run_fwd(consts, init, xs):
@@ -398,6 +412,97 @@ def _build_scan(body: _Body, length: int, reverse: bool, unroll, recompute: str)
 
   run.defvjp(run_fwd, run_bwd)
   return run, analyze
+
+
+# Active collectors of scan plans (see collect_plans); analysis appends to each.
+_PLAN_COLLECTORS: list[list] = []
+
+
+@contextlib.contextmanager
+def collect_plans():
+  """Collects the :class:`ScanPlan` of every :func:`scan` differentiated inside the block."""
+  plans: list = []
+  _PLAN_COLLECTORS.append(plans)
+  try:
+    yield plans
+  finally:
+    _PLAN_COLLECTORS.remove(plans)
+
+
+def _stock_stacked_bytes(body: _Body, plan, length: int) -> int:
+  """Bytes :func:`jax.lax.scan` stacks for the same step: its loop-stacked residuals."""
+  structs = [
+    [_struct(v.aval) for v in vs] for vs in (plan.const_invars, plan.carry_invars, plan.x_invars)
+  ]
+  structs[2] = [jax.ShapeDtypeStruct((length, *a.shape), a.dtype) for a in structs[2]]
+
+  def stock_loss(consts, init, xs):
+    final, ys = jax.lax.scan(lambda c, x: body(consts, c, x), init, xs, length=length)
+    leaves = [x for x in [*final, *ys] if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return sum((jnp.sum(x.astype(jnp.float32)) for x in leaves), jnp.float32(0))
+
+  total = 0
+  for aval, description in _saved_residuals(stock_loss, *structs):
+    if description.startswith("output of scan") and aval.shape[:1] == (length,):
+      total += int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+  return total
+
+
+def scan_residuals(f: Callable, init: Any, xs: Any = None, length: int | None = None, **kwargs):
+  """The plan :func:`scan` makes for the gradient of one scan, next to what ``lax.scan`` stacks.
+
+  Takes the arguments of :func:`scan`. Nothing is computed: the step is traced abstractly
+  (arrays or :class:`jax.ShapeDtypeStruct` work alike). The plan is the one for a gradient with
+  respect to everything: ``init``, ``xs`` and the floating-point arrays ``f`` closes over (its
+  parameters, as in training).
+
+  Args:
+    f: the step, ``f(carry, x) -> (carry, y)``.
+    init: the initial carry.
+    xs: the scanned-over inputs, or None with ``length``.
+    length: the number of steps.
+    **kwargs: ``reverse``, ``unroll``, ``recompute`` as in :func:`scan`.
+
+  Returns:
+    A :class:`ScanPlan`: each residual of one step with its shape, dtype, bytes and kind
+    (``xs``/``const``/``carry``/``ys``/``recomputed``/``stacked``), what is stacked per step,
+    and the total stacked bytes for the whole scan next to ``lax.scan``'s.
+
+  Raises:
+    Whatever :func:`scan` raises for these arguments.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> import jaxmem
+    >>> w = jnp.ones((8, 8))
+    >>> plan = jaxmem.scan_residuals(
+    ...     lambda h, x: (jnp.tanh(h @ w + x),) * 2, jnp.zeros((4, 8)), jnp.ones((16, 4, 8)))
+    >>> [r.kind for r in plan.residuals]  # w, h (for dw), tanh's output (= ys), 1 - output
+    ['const', 'carry', 'ys', 'recomputed']
+    >>> plan.stacked_bytes, plan.stock_stacked_bytes  # ys (16 x 4 x 8 x 4 B) vs 3 stacks
+    (2048, 6144)
+  """
+  unknown = set(kwargs) - {"reverse", "unroll", "recompute"}
+  if unknown:
+    raise TypeError(f"jaxmem.scan_residuals got unexpected keyword arguments: {sorted(unknown)}.")
+  fname = "jaxmem.scan_residuals"
+  if not callable(f):
+    raise TypeError(f"{fname} expected a callable body f(carry, x), got {_describe(f)}.")
+  for argname, tree in (("init", init), ("xs", xs)):
+    _check_leaves(tree, argname, fname, allow_structs=True)
+  plans = []
+
+  def trace(init, xs):
+    body, init_leaves, xs_leaves, _, n, unroll, recompute = _prepare(
+      f, init, xs, length, kwargs.get("unroll", 1), kwargs.get("recompute", "cheap"), fname,
+      diff_consts=True,
+    )
+    _, analyze = _build_scan(body, n, bool(kwargs.get("reverse", False)), unroll, recompute)
+    plan = analyze(body.consts, init_leaves, xs_leaves)
+    plans.append(_res.summarize(plan, n, _stock_stacked_bytes(body, plan, n)))
+
+  jax.eval_shape(trace, init, xs)
+  return plans[0]
 
 
 def scan(
