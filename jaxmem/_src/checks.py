@@ -1,0 +1,150 @@
+"""Input checks shared by jaxmem's public functions, run before anything is traced.
+
+Every message starts with the public function that failed (``caller``), names the offending
+argument by its pytree path (:func:`jax.tree_util.keystr`) and says what would be accepted, e.g.
+``profile: argument args[1]['w'] is a str ('abc'); only arrays, scalars and
+jax.ShapeDtypeStruct can be traced``.
+"""
+
+from __future__ import annotations
+
+import functools
+import reprlib
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_repr = reprlib.Repr()
+_repr.maxstring = 40
+_repr.maxother = 40
+
+_PY_SCALARS = (bool, int, float, complex)
+
+
+def describe(x: Any) -> str:
+    """Short description of a value for error messages: its type and a truncated repr.
+
+    Examples:
+        >>> describe("abc")
+        "str ('abc')"
+        >>> describe(3)
+        'int (3)'
+    """
+    return f"{type(x).__name__} ({_repr.repr(x)})"
+
+
+def fn_name(fn: Any) -> str:
+    """Readable name of a callable: its qualified name (without ``<locals>`` prefixes), or
+    ``partial(name)`` for partials.
+
+    Examples:
+        >>> def loss(w):
+        ...     return w
+        >>> fn_name(loss)
+        'loss'
+        >>> import functools
+        >>> fn_name(functools.partial(loss))
+        'partial(loss)'
+        >>> def outer():
+        ...     def step(h):
+        ...         return h
+        ...     return step
+        >>> fn_name(outer())
+        'step'
+    """
+    if isinstance(fn, functools.partial):
+        return f"partial({fn_name(fn.func)})"
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+    if isinstance(name, str) and name:
+        return name.rpartition("<locals>.")[2]
+    return type(fn).__name__
+
+
+def check_callable(fn: Any, argname: str, caller: str) -> Callable[..., Any]:
+    """Raise TypeError unless ``fn`` is callable.
+
+    Args:
+        fn: the value to check.
+        argname: how the caller's user spells the argument, e.g. ``"fn"`` or ``"fns['stock']"``.
+        caller: the public function doing the check, e.g. ``"profile"``.
+
+    Returns:
+        ``fn`` unchanged.
+
+    Raises:
+        TypeError: ``fn`` is not callable; the message names ``argname`` and what was given.
+
+    Examples:
+        >>> check_callable(3, "fn", "profile")
+        Traceback (most recent call last):
+        ...
+        TypeError: profile: fn must be callable (a function), got int (3)
+    """
+    if not callable(fn):
+        raise TypeError(f"{caller}: {argname} must be callable (a function), got {describe(fn)}")
+    return fn
+
+
+def is_traceable_leaf(x: Any) -> bool:
+    """Whether a pytree leaf can be an argument of ``jax.jit(...).lower``.
+
+    Accepted: ``jax.Array`` (tracers included), ``jax.ShapeDtypeStruct``, numpy arrays and scalars
+    of a numeric or boolean dtype (bfloat16 and other ml_dtypes included), Python
+    ``bool``/``int``/``float``/``complex``, and objects defining ``__jax_array__``.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> is_traceable_leaf(jnp.ones(3)), is_traceable_leaf(2.0), is_traceable_leaf("a")
+        (True, True, False)
+    """
+    if isinstance(x, jax.Array | jax.ShapeDtypeStruct):
+        return True
+    if isinstance(x, np.ndarray | np.generic):
+        return _is_numeric_dtype(x.dtype)
+    if isinstance(x, _PY_SCALARS):
+        return True
+    return hasattr(x, "__jax_array__")
+
+
+def _is_numeric_dtype(dtype: Any) -> bool:
+    try:
+        return bool(jnp.issubdtype(dtype, np.number) or jnp.issubdtype(dtype, np.bool_))
+    except TypeError:
+        return False
+
+
+def check_traceable(tree: Any, argname: str, caller: str) -> None:
+    """Raise TypeError at the first leaf of ``tree`` that JAX cannot trace.
+
+    Args:
+        tree: any pytree of arguments (``None`` and empty containers are fine: they have no
+            leaves).
+        argname: the name the path is appended to, e.g. ``"args"``, ``"kwargs"`` or ``"xs"``.
+        caller: the public function doing the check, e.g. ``"profile"`` or ``"scan"``.
+
+    Raises:
+        TypeError: a leaf is not traceable; the message gives its pytree path, its type and a
+            short repr.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> check_traceable(({"w": jnp.ones(2)}, 1.0), "args", "profile")
+        >>> check_traceable((jnp.ones(2), {"w": "abc"}), "args", "profile")
+        Traceback (most recent call last):
+        ...
+        TypeError: profile: argument args[1]['w'] is a str ('abc'); only arrays, scalars and
+        jax.ShapeDtypeStruct can be traced
+    """
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+    for path, leaf in leaves:
+        if not is_traceable_leaf(leaf):
+            what = describe(leaf)
+            if isinstance(leaf, np.ndarray | np.generic):
+                what = f"numpy value of dtype {leaf.dtype}"
+            raise TypeError(
+                f"{caller}: argument {argname}{jax.tree_util.keystr(path)} is a {what}; "
+                "only arrays, scalars and jax.ShapeDtypeStruct can be traced"
+            )

@@ -1,0 +1,893 @@
+"""Memory profiles of JAX functions: compiled memory figures plus the residuals of the gradient.
+
+:func:`profile` compiles a function on example arguments (arrays, Python scalars, or
+``jax.ShapeDtypeStruct`` placeholders, which allocate nothing) and reads XLA's compile-time
+memory analysis, ``jax.jit(fn).lower(...).compile().memory_analysis()``. When the function
+returns a scalar loss it also lists the residuals that ``jax.grad`` with respect to every argument
+would save between the forward and the backward pass, using JAX's own listing (the one behind
+``jax.ad_checkpoint.print_saved_residuals``), each classified by where it comes from.
+:func:`compare` profiles several functions on the same arguments and reports ratios against the
+first one.
+
+The figure of merit is ``temp_bytes`` (deterministic, known at compile time). On CPU, XLA may
+upcast bf16 loop buffers to f32, so compare like with like.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Private on purpose: JAX's saved-residual listing is only public as a printer
+# (jax.ad_checkpoint.print_saved_residuals). This is the single place jaxmem depends on it.
+from jax._src.ad_checkpoint import saved_residuals as _jax_saved_residuals
+
+from jaxmem._src import checks
+from jaxmem._src.residuals import ScanPlan
+from jaxmem._src.scan import collect_plans
+
+__all__ = ["Comparison", "MemoryReport", "ProfileError", "Residual", "compare", "profile"]
+
+ORIGINS = ("argument", "constant", "loop-stacked", "other")
+"""The residual origins, in the order tables and totals list them."""
+
+_LOOP_PRIMITIVES = frozenset({"scan", "while"})
+
+# (field name, short label) of the compiled memory figures, in display order.
+_MEMORY_FIELDS = (
+    ("temp_bytes", "temp"),
+    ("argument_bytes", "argument"),
+    ("output_bytes", "output"),
+    ("alias_bytes", "alias"),
+    ("generated_code_bytes", "generated code"),
+    ("host_temp_bytes", "host temp"),
+    ("host_argument_bytes", "host argument"),
+    ("host_output_bytes", "host output"),
+    ("host_alias_bytes", "host alias"),
+    ("host_generated_code_bytes", "host generated code"),
+)
+
+# Field of jax's CompiledMemoryStats for each MemoryReport field.
+_STATS_NAMES = {name: name.replace("_bytes", "_size_in_bytes") for name, _ in _MEMORY_FIELDS}
+
+# Columns of Comparison tables and plots: (MemoryReport attribute, label).
+_COMPARE_COLUMNS = (
+    ("temp_bytes", "temp"),
+    ("argument_bytes", "argument"),
+    ("output_bytes", "output"),
+    ("peak_bytes", "peak"),
+    ("residual_bytes", "residual"),
+)
+
+_RATIO_FIELDS = tuple(name for name, _ in _MEMORY_FIELDS) + ("peak_bytes", "residual_bytes")
+
+
+class ProfileError(RuntimeError):
+    """A function could not be traced, lowered or compiled for profiling.
+
+    The message names the function; the original exception is chained as ``__cause__``.
+
+    Examples:
+        >>> import jaxmem
+        >>> from jaxmem._src.profile import ProfileError
+        >>> import jax.numpy as jnp
+        >>> def bad(x):
+        ...     return x @ x  # (2, 3) @ (2, 3): shapes do not match
+        >>> try:
+        ...     jaxmem.profile(bad, jnp.ones((2, 3)))
+        ... except ProfileError as e:
+        ...     print(str(e).splitlines()[0])
+        ...     print(type(e.__cause__).__name__)
+        profile: could not trace or compile function 'bad': TypeError: ...
+        TypeError
+    """
+
+
+# --------------------------------------------------------------------------------------------
+# Formatting helpers
+
+
+def format_bytes(n: int | None) -> str:
+    """Human-readable size in binary units: ``"96 B"``, ``"1.50 KiB"``, ``"2.00 MiB"``.
+
+    Args:
+        n: a byte count, or None (shown as ``"n/a"``).
+
+    Returns:
+        The formatted size.
+
+    Examples:
+        >>> format_bytes(96), format_bytes(1536), format_bytes(3 * 2**30), format_bytes(None)
+        ('96 B', '1.50 KiB', '3.00 GiB', 'n/a')
+    """
+    if n is None:
+        return "n/a"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{int(size)} B" if unit == "B" else f"{size:.2f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def _format_ratio(r: float) -> str:
+    return "×n/a" if math.isnan(r) else f"×{r:.2f}"
+
+
+def _text_table(header: list[str], rows: list[list[str]], right: set[int]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        out = [
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ]
+        return "  " + "  ".join(out).rstrip()
+
+    sep = "  " + "  ".join("-" * w for w in widths)
+    return "\n".join([line(header), sep, *(line(r) for r in rows)])
+
+
+def _md_table(header: list[str], rows: list[list[str]], right: set[int]) -> str:
+    def esc(c: str) -> str:
+        return c.replace("|", "\\|")
+
+    align = ["---:" if i in right else "---" for i in range(len(header))]
+    lines = [header, align, *rows]
+    return "\n".join("| " + " | ".join(esc(c) for c in cells) + " |" for cells in lines)
+
+
+def _short_source(source: str) -> str:
+    return os.path.basename(source) if source else ""
+
+
+# --------------------------------------------------------------------------------------------
+# Data classes
+
+
+@dataclasses.dataclass(frozen=True)
+class Residual:
+    """One residual that the gradient of a function would save for its backward pass.
+
+    Attributes:
+        shape: the residual's shape.
+        dtype: numpy dtype name, e.g. ``"float32"`` or ``"bfloat16"``.
+        bytes: ``size * itemsize``.
+        origin: ``"argument"`` (an argument of the function, kept alive anyway),
+            ``"constant"`` (a constant or literal), ``"loop-stacked"`` (an output of a loop
+            primitive, ``scan`` or ``while``: one slice per iteration, stacked) or ``"other"``.
+        source: ``"path/file.py:LINE"`` of the equation that produced it, ``""`` if unknown
+            (arguments and constants have none).
+        function: name of the user function enclosing that equation, ``""`` if unknown.
+        description: JAX's own description, e.g. ``"output of scan from f.py:11:7 (loss)"``.
+
+    Examples:
+        >>> r = Residual((2, 4), "float32", 32, "other", "f.py:3", "loss", "output of tanh")
+        >>> r.bytes
+        32
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int
+    origin: str
+    source: str
+    function: str
+    description: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able dict of the fields (``shape`` as a list).
+
+        Examples:
+            >>> Residual((2,), "float32", 8, "argument", "", "", "from the argument x").to_dict()[
+            ...     "shape"
+            ... ]
+            [2]
+        """
+        d = dataclasses.asdict(self)
+        d["shape"] = list(self.shape)
+        return d
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+    """Compiled memory figures of one function, and the residuals its gradient would save.
+
+    The ``*_bytes`` fields are XLA's compile-time ``memory_analysis()`` of the function
+    (``CompiledMemoryStats``): ``temp`` is scratch memory (activations, residuals of a fused
+    forward+backward, loop buffers), ``argument``/``output`` the inputs and outputs, ``alias``
+    output bytes that reuse donated argument buffers, ``generated_code`` the executable; the
+    ``host_*`` twins count buffers placed in host memory.
+
+    Attributes:
+        name: the function's name (the label, when made by :func:`compare`).
+        temp_bytes: device scratch bytes.
+        argument_bytes: device argument bytes.
+        output_bytes: device output bytes.
+        alias_bytes: output bytes aliased to (donated) arguments.
+        generated_code_bytes: generated code bytes.
+        host_temp_bytes: host-memory scratch bytes.
+        host_argument_bytes: host-memory argument bytes.
+        host_output_bytes: host-memory output bytes.
+        host_alias_bytes: host-memory aliased bytes.
+        host_generated_code_bytes: host generated code bytes.
+        peak_bytes: the backend's peak-memory estimate (``peak_memory_in_bytes``), None where the
+            backend does not report one.
+        residuals: residuals of the gradient with respect to all arguments, largest first;
+            None when the function does not return a scalar.
+        scan_plans: for each :func:`jaxmem.scan` the gradient goes through, its
+            :class:`jaxmem.ScanPlan` (what it keeps, next to what ``lax.scan`` would stack).
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import jaxmem
+        >>> report = jaxmem.profile(lambda x: jnp.sum(jnp.sin(x)), jnp.ones(256))
+        >>> report.argument_bytes, report.residual_bytes_by_origin["other"]
+        (1024, 1024)
+        >>> print(str(report).splitlines()[0])
+        MemoryReport: <lambda>
+    """
+
+    name: str
+    temp_bytes: int
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    generated_code_bytes: int
+    host_temp_bytes: int
+    host_argument_bytes: int
+    host_output_bytes: int
+    host_alias_bytes: int
+    host_generated_code_bytes: int
+    peak_bytes: int | None
+    residuals: tuple[Residual, ...] | None
+    scan_plans: tuple[ScanPlan, ...] = ()
+
+    @property
+    def residual_bytes(self) -> int | None:
+        """Total bytes of all residuals, None when there is no residual listing.
+
+        Examples:
+            >>> import jax.numpy as jnp
+            >>> import jaxmem
+            >>> jaxmem.profile(lambda x: jnp.sum(x**3), jnp.ones(8)).residual_bytes
+            32
+        """
+        if self.residuals is None:
+            return None
+        return sum(r.bytes for r in self.residuals)
+
+    @property
+    def residual_bytes_by_origin(self) -> dict[str, int]:
+        """Residual bytes per origin, every origin present (zeros included); ``{}`` if none listed.
+
+        Examples:
+            >>> import jax.numpy as jnp
+            >>> import jaxmem
+            >>> jaxmem.profile(lambda x: jnp.sum(x * x), jnp.ones(8)).residual_bytes_by_origin
+            {'argument': 32, 'constant': 0, 'loop-stacked': 0, 'other': 0}
+        """
+        if self.residuals is None:
+            return {}
+        totals = dict.fromkeys(ORIGINS, 0)
+        for r in self.residuals:
+            totals[r.origin] = totals.get(r.origin, 0) + r.bytes
+        return totals
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able dict: every field, plus ``residual_bytes`` and ``residual_bytes_by_origin``.
+
+        Examples:
+            >>> import json
+            >>> import jax.numpy as jnp
+            >>> import jaxmem
+            >>> d = jaxmem.profile(lambda x: x * 2, jnp.ones(4)).to_dict()
+            >>> d["argument_bytes"], d["residuals"], json.loads(json.dumps(d)) == d
+            (16, None, True)
+        """
+        d: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["residuals"] = None if self.residuals is None else [r.to_dict() for r in self.residuals]
+        d["scan_plans"] = [p.to_dict() for p in self.scan_plans]
+        d["residual_bytes"] = self.residual_bytes
+        d["residual_bytes_by_origin"] = self.residual_bytes_by_origin
+        return d
+
+    def to_json(self, **json_kw: Any) -> str:
+        """:meth:`to_dict` as a JSON string; ``json_kw`` is passed to :func:`json.dumps`.
+
+        Examples:
+            >>> import jax.numpy as jnp
+            >>> import jaxmem
+            >>> jaxmem.profile(lambda x: x * 2, jnp.ones(4)).to_json().startswith('{"name"')
+            True
+        """
+        return json.dumps(self.to_dict(), **json_kw)
+
+    def _memory_rows(self) -> list[list[str]]:
+        rows = [
+            [name, f"{getattr(self, name):,}", format_bytes(getattr(self, name))]
+            for name, _ in _MEMORY_FIELDS
+        ]
+        peak = self.peak_bytes
+        rows.append(["peak_bytes", "n/a" if peak is None else f"{peak:,}", format_bytes(peak)])
+        return rows
+
+    def _residual_rows(self) -> list[list[str]]:
+        return [
+            [
+                str(r.shape),
+                r.dtype,
+                f"{r.bytes:,}",
+                format_bytes(r.bytes),
+                r.origin,
+                _short_source(r.source),
+                r.function,
+            ]
+            for r in self.residuals or ()
+        ]
+
+    def _totals_rows(self) -> list[list[str]]:
+        rows = [[o, f"{b:,}", format_bytes(b)] for o, b in self.residual_bytes_by_origin.items()]
+        total = self.residual_bytes or 0
+        rows.append(["total", f"{total:,}", format_bytes(total)])
+        return rows
+
+    _RES_HEADER = ["shape", "dtype", "bytes", "size", "origin", "source", "function"]
+
+    def __str__(self) -> str:
+        """Readable text tables: memory fields, then residuals and their totals."""
+        parts = [
+            f"MemoryReport: {self.name}",
+            _text_table(["field", "bytes", "size"], self._memory_rows(), {1, 2}),
+        ]
+        if self.residuals is None:
+            parts.append("Residuals: n/a (the function does not return a scalar)")
+        else:
+            parts.append(
+                f"Residuals saved for the gradient ({len(self.residuals)}, largest first):"
+            )
+            if self.residuals:
+                parts.append(_text_table(self._RES_HEADER, self._residual_rows(), {2, 3}))
+            parts.append("Residual totals by origin:")
+            parts.append(_text_table(["origin", "bytes", "size"], self._totals_rows(), {1, 2}))
+        parts += [f"jaxmem.scan #{i}: {plan}" for i, plan in enumerate(self.scan_plans)]
+        return "\n".join(parts)
+
+    def to_markdown(self) -> str:
+        """The same tables as ``str(report)``, in Markdown.
+
+        Examples:
+            >>> import jax.numpy as jnp
+            >>> import jaxmem
+            >>> md = jaxmem.profile(lambda x: jnp.sum(x**3), jnp.ones(8)).to_markdown()
+            >>> md.splitlines()[0]
+            '### MemoryReport: <lambda>'
+        """
+        parts = [
+            f"### MemoryReport: {self.name}",
+            "",
+            _md_table(["field", "bytes", "size"], self._memory_rows(), {1, 2}),
+            "",
+        ]
+        if self.residuals is None:
+            parts.append("Residuals: n/a (the function does not return a scalar)")
+        else:
+            parts += [
+                f"Residuals saved for the gradient ({len(self.residuals)}, largest first):",
+                "",
+                _md_table(self._RES_HEADER, self._residual_rows(), {2, 3}),
+                "",
+                _md_table(["origin", "bytes", "size"], self._totals_rows(), {1, 2}),
+            ]
+        return "\n".join(parts) + "\n"
+
+    def plot(self, path: str | os.PathLike[str]) -> str | os.PathLike[str]:
+        """Save a bar chart of where the memory goes (compiled figures, residuals by origin).
+
+        Uses matplotlib's Agg renderer directly (no pyplot, no change to the global backend), so
+        it works headless and in notebooks alike. The format follows the file suffix (``.png``).
+
+        Args:
+            path: where to write the image.
+
+        Returns:
+            ``path``, as given.
+
+        Examples:
+            >>> import tempfile, pathlib
+            >>> import jax.numpy as jnp
+            >>> import jaxmem
+            >>> report = jaxmem.profile(lambda x: jnp.sum(jnp.sin(x)), jnp.ones(64))
+            >>> with tempfile.TemporaryDirectory() as d:
+            ...     out = report.plot(pathlib.Path(d) / "mem.png")
+            ...     print(out.read_bytes()[:4])
+            b'\\x89PNG'
+        """
+        labels, values, colors = [], [], []
+        for name, label in _MEMORY_FIELDS:
+            value = getattr(self, name)
+            if value or not name.startswith(("host_", "generated", "alias")):
+                labels.append(label)
+                values.append(value)
+                colors.append("tab:blue")
+        for origin, value in self.residual_bytes_by_origin.items():
+            labels.append(f"residual: {origin}")
+            values.append(value)
+            colors.append("tab:orange")
+        scale, unit = _unit_for(max(values, default=0))
+        fig = _new_figure(figsize=(7, 0.45 * len(labels) + 1.2))
+        ax = fig.add_subplot()
+        ypos = np.arange(len(labels))
+        ax.barh(ypos, [v / scale for v in values], color=colors)
+        ax.set_yticks(ypos, labels)
+        ax.invert_yaxis()
+        ax.set_xlabel(unit)
+        ax.set_title(f"memory of {self.name}")
+        for y, v in zip(ypos, values, strict=True):
+            ax.annotate(
+                format_bytes(v),
+                (v / scale, y),
+                xytext=(3, 0),
+                textcoords="offset points",
+                va="center",
+                fontsize=8,
+            )
+        ax.margins(x=0.2)
+        fig.tight_layout()
+        fig.savefig(path)
+        return path
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """Memory reports of several functions on the same arguments; the first is the baseline.
+
+    Attributes:
+        reports: label -> :class:`MemoryReport`, in insertion order; the first entry is the
+            baseline every ratio is taken against.
+
+    Examples:
+        >>> import jax
+        >>> import jax.numpy as jnp
+        >>> import jaxmem
+        >>> def loss(x):
+        ...     return jnp.sum(jnp.sin(jnp.sin(x)))
+        >>> cmp = jaxmem.compare({"stock": loss, "remat": jax.checkpoint(loss)}, jnp.ones(64))
+        >>> cmp.ratio("stock", "residual_bytes"), cmp.ratio("remat", "residual_bytes")
+        (1.0, 0.5)
+    """
+
+    reports: dict[str, MemoryReport]
+
+    def __post_init__(self) -> None:
+        if not self.reports:
+            raise ValueError("Comparison needs at least one report")
+
+    @property
+    def baseline(self) -> str:
+        """Label of the first report, the one ratios are taken against.
+
+        Examples:
+            >>> import jax.numpy as jnp
+            >>> import jaxmem
+            >>> jaxmem.compare({"a": jnp.sin, "b": jnp.cos}, jnp.ones(2)).baseline
+            'a'
+        """
+        return next(iter(self.reports))
+
+    def ratio(self, label: str, field: str = "temp_bytes") -> float:
+        """``reports[label].<field> / reports[first].<field>``.
+
+        Args:
+            label: a label of :attr:`reports`.
+            field: a byte-count attribute of :class:`MemoryReport`: one of the ``*_bytes`` fields,
+                ``"peak_bytes"`` or ``"residual_bytes"``.
+
+        Returns:
+            The ratio. When the baseline is 0 it is ``inf`` if the value is positive and ``nan``
+            if it is 0 too; it is ``nan`` when either figure is None (no peak or no residual
+            listing).
+
+        Raises:
+            KeyError: unknown label.
+            ValueError: unknown field.
+
+        Examples:
+            >>> import jax.numpy as jnp
+            >>> import jaxmem
+            >>> cmp = jaxmem.compare({"a": jnp.sin, "b": jnp.cos}, jnp.ones(2))
+            >>> cmp.ratio("b", "argument_bytes")
+            1.0
+            >>> cmp.ratio("a", "alias_bytes")  # 0 / 0
+            nan
+        """
+        if field not in _RATIO_FIELDS:
+            raise ValueError(
+                f"Comparison.ratio: unknown field {field!r}; use one of {_RATIO_FIELDS}"
+            )
+        if label not in self.reports:
+            raise KeyError(
+                f"Comparison.ratio: no report labelled {label!r}; labels: {list(self.reports)}"
+            )
+        value = getattr(self.reports[label], field)
+        base = getattr(self.reports[self.baseline], field)
+        if value is None or base is None:
+            return math.nan
+        if base == 0:
+            return math.inf if value > 0 else math.nan
+        return value / base
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able dict: ``baseline``, ``reports`` (each :meth:`MemoryReport.to_dict`) and
+        ``ratios`` (label -> field -> ratio; non-finite ratios are written as None).
+
+        Examples:
+            >>> import jax.numpy as jnp
+            >>> import jaxmem
+            >>> d = jaxmem.compare({"a": jnp.sin, "b": jnp.cos}, jnp.ones(2)).to_dict()
+            >>> list(d["reports"]), d["ratios"]["b"]["argument_bytes"]
+            (['a', 'b'], 1.0)
+        """
+
+        def finite(r: float) -> float | None:
+            return r if math.isfinite(r) else None
+
+        return {
+            "baseline": self.baseline,
+            "reports": {label: rep.to_dict() for label, rep in self.reports.items()},
+            "ratios": {
+                label: {f: finite(self.ratio(label, f)) for f in _RATIO_FIELDS}
+                for label in self.reports
+            },
+        }
+
+    def to_json(self, **json_kw: Any) -> str:
+        """:meth:`to_dict` as a JSON string; ``json_kw`` is passed to :func:`json.dumps`.
+
+        Examples:
+            >>> import jax.numpy as jnp
+            >>> import jaxmem
+            >>> jaxmem.compare({"a": jnp.sin}, jnp.ones(2)).to_json().startswith('{"baseline"')
+            True
+        """
+        return json.dumps(self.to_dict(), **json_kw)
+
+    def _rows(self) -> list[list[str]]:
+        rows = []
+        for label, rep in self.reports.items():
+            row = [label]
+            for field, _ in _COMPARE_COLUMNS:
+                value = getattr(rep, field)
+                cell = format_bytes(value)
+                if value is not None:
+                    cell += f" ({_format_ratio(self.ratio(label, field))})"
+                row.append(cell)
+            rows.append(row)
+        return rows
+
+    def _header(self) -> list[str]:
+        return ["label"] + [label for _, label in _COMPARE_COLUMNS]
+
+    def __str__(self) -> str:
+        """One row per label; each figure with its ratio to the baseline."""
+        return f"Comparison (ratios against {self.baseline!r}):\n" + _text_table(
+            self._header(), self._rows(), set(range(1, 6))
+        )
+
+    def to_markdown(self) -> str:
+        """The ``str(comparison)`` table, in Markdown.
+
+        Examples:
+            >>> import jax.numpy as jnp
+            >>> import jaxmem
+            >>> print(jaxmem.compare({"a": jnp.sin}, jnp.ones(2)).to_markdown().splitlines()[2])
+            | label | temp | argument | output | peak | residual |
+        """
+        return (
+            f"### Comparison (ratios against {self.baseline!r})\n\n"
+            + _md_table(self._header(), self._rows(), set(range(1, 6)))
+            + "\n"
+        )
+
+    def plot(self, path: str | os.PathLike[str]) -> str | os.PathLike[str]:
+        """Save a grouped bar chart: temp/argument/output/peak/residual bytes, one bar per label.
+
+        Missing figures (no peak, no residual listing) are left out. Uses matplotlib's Agg
+        renderer directly, without pyplot.
+
+        Args:
+            path: where to write the image (format from the suffix, e.g. ``.png``).
+
+        Returns:
+            ``path``, as given.
+
+        Examples:
+            >>> import tempfile, os
+            >>> import jax.numpy as jnp
+            >>> import jaxmem
+            >>> cmp = jaxmem.compare({"a": jnp.sin, "b": jnp.cos}, jnp.ones(2))
+            >>> with tempfile.TemporaryDirectory() as d:
+            ...     out = cmp.plot(os.path.join(d, "cmp.png"))
+            ...     print(os.path.getsize(out) > 0)
+            True
+        """
+        columns = [label for _, label in _COMPARE_COLUMNS]
+        table = {
+            label: [getattr(rep, f) for f, _ in _COMPARE_COLUMNS]
+            for label, rep in self.reports.items()
+        }
+        largest = max((v for vals in table.values() for v in vals if v is not None), default=0)
+        scale, unit = _unit_for(largest)
+        n = len(table)
+        width = 0.8 / n
+        fig = _new_figure(figsize=(max(6.0, 1.2 * len(columns) * max(1, n / 2)), 4))
+        ax = fig.add_subplot()
+        x = np.arange(len(columns))
+        for i, (label, vals) in enumerate(table.items()):
+            heights = [math.nan if v is None else v / scale for v in vals]
+            ax.bar(x + (i - (n - 1) / 2) * width, heights, width, label=label)
+        ax.set_xticks(x, columns)
+        ax.set_ylabel(unit)
+        ax.set_title(f"memory, baseline {self.baseline!r}")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path)
+        return path
+
+
+def _unit_for(largest: int) -> tuple[float, str]:
+    for power, unit in ((3, "GiB"), (2, "MiB"), (1, "KiB")):
+        if largest >= 1024**power:
+            return float(1024**power), unit
+    return 1.0, "bytes"
+
+
+def _new_figure(figsize: tuple[float, float]) -> Any:
+    # Lazy import: matplotlib is only needed to draw. A bare Figure renders with Agg on
+    # savefig and touches no global pyplot/backend state.
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=figsize, dpi=100)
+
+
+# --------------------------------------------------------------------------------------------
+# Residual classification
+
+_SOURCE_RE = re.compile(r"^(?P<file>.+?):(?P<line>\d+)(?::\d+)? \((?P<function>.*)\)$")
+_OUTPUT_RE = re.compile(r"^output of (?P<prim>\S+) from (?P<src>.*)$", re.DOTALL)
+_JITTED_RE = re.compile(r"^output of jitted function '(?P<name>.*)' from (?P<src>.*)$", re.DOTALL)
+_NAMED_RE = re.compile(r"^named '(?P<name>.*)' from (?P<src>.*)$", re.DOTALL)
+
+
+def _parse_source(src: str) -> tuple[str, str]:
+    """``"file.py:11:7 (loss)"`` -> ``("file.py:11", "loss")``; unknown -> ``("", "")``."""
+    src = src.strip().splitlines()[-1] if src.strip() else ""
+    m = _SOURCE_RE.match(src)
+    if not m:
+        return "", ""
+    return f"{m['file']}:{m['line']}", m["function"]
+
+
+def classify(description: str) -> tuple[str, str, str]:
+    """Origin, source and function of a residual from JAX's description of it.
+
+    Args:
+        description: one description from JAX's saved-residual listing.
+
+    Returns:
+        ``(origin, source, function)``: origin is ``"argument"`` for ``"from the argument ..."``,
+        ``"constant"`` for constants and literals, ``"loop-stacked"`` for outputs of ``scan`` or
+        ``while`` (also when the loop runs inside a custom VJP's forward rule, which JAX inlines),
+        ``"other"`` for everything else (including outputs of nested jitted functions).
+
+    Examples:
+        >>> classify("output of scan from /src/f.py:11:7 (loss)")
+        ('loop-stacked', '/src/f.py:11', 'loss')
+        >>> classify("output of tanh from f.py:3 (<lambda>)")
+        ('other', 'f.py:3', '<lambda>')
+        >>> classify("from the argument W")
+        ('argument', '', '')
+        >>> classify("from a literal")
+        ('constant', '', '')
+    """
+    if description.startswith("from the argument"):
+        return "argument", "", ""
+    if description in ("from a constant", "from a literal"):
+        return "constant", "", ""
+    for regex in (_JITTED_RE, _NAMED_RE):
+        if m := regex.match(description):
+            return ("other", *_parse_source(m["src"]))
+    if m := _OUTPUT_RE.match(description):
+        origin = "loop-stacked" if m["prim"] in _LOOP_PRIMITIVES else "other"
+        return (origin, *_parse_source(m["src"]))
+    return "other", "", ""
+
+
+def _residual(aval: Any, description: str) -> Residual:
+    shape = tuple(int(d) for d in getattr(aval, "shape", ()))
+    dtype = aval.dtype
+    try:
+        dtype_name = np.dtype(dtype).name
+    except TypeError:  # extended dtypes, e.g. PRNG keys
+        dtype_name = str(dtype)
+    nbytes = math.prod(shape) * int(dtype.itemsize)
+    origin, source, function = classify(description)
+    return Residual(shape, dtype_name, nbytes, origin, source, function, description)
+
+
+def _is_scalar_loss(out_info: Any) -> bool:
+    leaves, treedef = jax.tree_util.tree_flatten(out_info)
+    if len(leaves) != 1 or treedef.num_nodes != 1:
+        return False
+    (out,) = leaves
+    return tuple(out.shape) == () and bool(jnp.issubdtype(out.dtype, jnp.inexact))
+
+
+# --------------------------------------------------------------------------------------------
+# Public functions
+
+
+def profile(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryReport:
+    """Compile ``fn`` on the given arguments and report its memory, with gradient residuals.
+
+    The memory figures are ``jax.jit(fn).lower(*args, **kwargs).compile().memory_analysis()``
+    (when ``fn`` is already jitted, its own ``lower`` is used, so its donation, sharding and
+    static-argument settings apply). Arguments may be arrays, Python scalars, or
+    ``jax.ShapeDtypeStruct`` placeholders: nothing is allocated or run, so big models can be
+    profiled from shapes alone.
+
+    If ``fn`` returns a scalar of an inexact dtype (decided from the lowered output shape), the
+    report also lists the residuals that the gradient with respect to all arguments would save,
+    from JAX's own listing (as ``jax.ad_checkpoint.print_saved_residuals`` prints it), largest
+    first. That listing traces every argument, so static arguments of a jitted ``fn`` are not
+    supported there: bind them with :func:`functools.partial` instead.
+
+    Args:
+        fn: the function to profile (jitted or not).
+        *args: positional arguments of ``fn``: pytrees of arrays, scalars or
+            ``jax.ShapeDtypeStruct``.
+        **kwargs: keyword arguments of ``fn``, same kinds.
+
+    Returns:
+        A :class:`MemoryReport` named after ``fn``.
+
+    Raises:
+        TypeError: ``fn`` is not callable, or an argument leaf cannot be traced (the message gives
+            its pytree path, e.g. ``args[1]['w']``).
+        ProfileError: tracing, lowering or compiling ``fn`` failed, or the backend reports no
+            memory analysis; the original exception is chained.
+
+    Examples:
+        >>> import jax
+        >>> import jax.numpy as jnp
+        >>> import jaxmem
+        >>> def loss(w, x):
+        ...     return jnp.sum(jnp.tanh(x @ w))
+        >>> report = jaxmem.profile(loss, jnp.ones((3, 4)), jnp.ones((2, 3)))
+        >>> report.argument_bytes, report.output_bytes
+        (72, 4)
+        >>> [(r.shape, r.origin) for r in report.residuals]
+        [((3, 4), 'argument'), ((2, 4), 'other'), ((2, 4), 'other'), ((2, 3), 'argument')]
+        >>> report.residual_bytes
+        136
+
+        Shapes only, nothing allocated:
+
+        >>> w = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
+        >>> jaxmem.profile(lambda w: jnp.sum(w @ w), w).argument_bytes
+        33554432
+    """
+    checks.check_callable(fn, "fn", "profile")
+    _check_args(args, kwargs, "profile")
+    return _profile(fn, args, kwargs, name=checks.fn_name(fn), caller="profile")
+
+
+def compare(fns: Mapping[str, Callable[..., Any]], *args: Any, **kwargs: Any) -> Comparison:
+    """Profile several functions on the same arguments; ratios are against the first.
+
+    Args:
+        fns: label -> function, e.g. ``{"stock": loss, "jaxmem": lean_loss}``. The first entry is
+            the baseline.
+        *args: positional arguments passed to every function (see :func:`profile`).
+        **kwargs: keyword arguments passed to every function.
+
+    Returns:
+        A :class:`Comparison` whose reports are named by their labels.
+
+    Raises:
+        TypeError: ``fns`` is not a mapping, a value is not callable (the message names its
+            label), or an argument leaf cannot be traced.
+        ValueError: ``fns`` is empty.
+        ProfileError: a function failed to trace or compile (the message names label and
+            function).
+
+    Examples:
+        >>> import jax
+        >>> import jax.numpy as jnp
+        >>> import jaxmem
+        >>> def loss(x):
+        ...     return jnp.sum(jnp.sin(jnp.sin(x)))
+        >>> cmp = jaxmem.compare({"stock": loss, "remat": jax.checkpoint(loss)}, jnp.ones(64))
+        >>> cmp.reports["stock"].residual_bytes, cmp.reports["remat"].residual_bytes
+        (512, 256)
+        >>> print(str(cmp).splitlines()[0])
+        Comparison (ratios against 'stock'):
+    """
+    if not isinstance(fns, Mapping):
+        raise TypeError(
+            "compare: fns must be a mapping {label: function}, got " + checks.describe(fns)
+        )
+    if not fns:
+        raise ValueError("compare: fns is empty; pass at least one {label: function}")
+    for label, fn in fns.items():
+        checks.check_callable(fn, f"fns[{label!r}]", "compare")
+    _check_args(args, kwargs, "compare")
+    reports = {
+        label: _profile(fn, args, kwargs, name=str(label), caller="compare")
+        for label, fn in fns.items()
+    }
+    return Comparison(reports)
+
+
+def _check_args(args: tuple[Any, ...], kwargs: dict[str, Any], caller: str) -> None:
+    checks.check_traceable(args, "args", caller)
+    checks.check_traceable(kwargs, "kwargs", caller)
+
+
+def _profile(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *, name: str, caller: str
+) -> MemoryReport:
+    fname = checks.fn_name(fn)
+    what = f"function {fname!r}" if name == fname else f"{name!r} (function {fname!r})"
+    jitted = isinstance(fn, jax.stages.Wrapped) and callable(getattr(fn, "__wrapped__", None))
+
+    def fail(stage: str, e: Exception, hint: str = "") -> ProfileError:
+        return ProfileError(f"{caller}: could not {stage} {what}: {type(e).__name__}: {e}{hint}")
+
+    try:
+        lowered = (fn if jitted else jax.jit(fn)).lower(*args, **kwargs)
+        compiled = lowered.compile()
+    except Exception as e:
+        raise fail("trace or compile", e) from e
+    stats = compiled.memory_analysis()
+    if stats is None:
+        raise ProfileError(
+            f"{caller}: the {jax.default_backend()!r} backend reports no memory analysis for {what}"
+        )
+    figures = {name_: int(getattr(stats, stats_name)) for name_, stats_name in _STATS_NAMES.items()}
+    peak = getattr(stats, "peak_memory_in_bytes", None)
+
+    residuals = None
+    plans: list[ScanPlan] = []
+    if _is_scalar_loss(lowered.out_info):
+        # The listing traces every argument; for a jitted fn, look inside the jit so residuals
+        # are attributed to the equations that produce them, not to one opaque jit call.
+        inner = fn.__wrapped__ if jitted else fn
+        try:
+            with collect_plans() as plans:
+                listing = _jax_saved_residuals(inner, *args, **kwargs)
+        except Exception as e:
+            hint = (
+                " (the residual listing traces every argument; bind static arguments with "
+                "functools.partial)"
+            )
+            raise fail("list the gradient residuals of", e, hint) from e
+        items = [_residual(aval, desc) for aval, desc in listing]
+        residuals = tuple(sorted(items, key=lambda r: -r.bytes))
+
+    return MemoryReport(
+        name=name,
+        **figures,
+        peak_bytes=None if peak is None else int(peak),
+        residuals=residuals,
+        scan_plans=tuple(plans) if residuals is not None else (),
+    )

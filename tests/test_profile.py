@@ -1,0 +1,287 @@
+"""Tests for jaxmem.profile / jaxmem.compare (jaxmem/_src/profile.py)."""
+
+import collections
+import json
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxmem
+from jaxmem._src.profile import ProfileError
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def mlp_loss(w1, w2, x):
+    return jnp.sum(jnp.tanh(jnp.tanh(x @ w1) @ w2))
+
+
+def scan_loss(w, xs):
+    def body(h, x):
+        return jnp.tanh(h @ w + x), None
+
+    h, _ = jax.lax.scan(body, jnp.zeros((2, 4)), xs)  # <scan-call>
+    return jnp.sum(h)
+
+
+W1, W2, X = jnp.ones((3, 4)), jnp.ones((4, 6)), jnp.ones((2, 3))
+W, XS = jnp.ones((4, 4)), jnp.ones((6, 2, 4))
+
+FIELDS = [
+    "temp",
+    "argument",
+    "output",
+    "alias",
+    "generated_code",
+    "host_temp",
+    "host_argument",
+    "host_output",
+    "host_alias",
+    "host_generated_code",
+]
+
+
+@pytest.fixture(scope="module")
+def mlp_report():
+    return jaxmem.profile(mlp_loss, W1, W2, X)
+
+
+@pytest.fixture(scope="module")
+def scan_report():
+    return jaxmem.profile(scan_loss, W, XS)
+
+
+def test_figures_equal_memory_analysis(scan_report):
+    stats = jax.jit(scan_loss).lower(W, XS).compile().memory_analysis()
+    for f in FIELDS:
+        assert getattr(scan_report, f"{f}_bytes") == getattr(stats, f"{f}_size_in_bytes"), f
+    assert scan_report.peak_bytes == stats.peak_memory_in_bytes
+    assert scan_report.temp_bytes > 0
+    assert scan_report.name == "scan_loss"
+
+
+def test_mlp_residuals_hand_checked(mlp_report):
+    # Derived by hand, confirmed with jax.ad_checkpoint.print_saved_residuals:
+    #   x, w1, w2 are kept as arguments (x for dw1, w1 for dx, w2 for dh);
+    #   each tanh saves its output `ans` (also the input of the next matmul) and `1 - ans`
+    #   (the JVP is g * (1 + ans) * (1 - ans)).
+    expected = [
+        ((3, 4), "float32", 48, "argument"),  # w1
+        ((4, 6), "float32", 96, "argument"),  # w2
+        ((2, 3), "float32", 24, "argument"),  # x
+        ((2, 4), "float32", 32, "other"),  # tanh(x @ w1)
+        ((2, 4), "float32", 32, "other"),  # 1 - tanh(x @ w1)
+        ((2, 6), "float32", 48, "other"),  # tanh(h @ w2)
+        ((2, 6), "float32", 48, "other"),  # 1 - tanh(h @ w2)
+    ]
+    got = [(r.shape, r.dtype, r.bytes, r.origin) for r in mlp_report.residuals]
+    assert collections.Counter(got) == collections.Counter(expected)
+    sizes = [r.bytes for r in mlp_report.residuals]
+    assert sizes == sorted(sizes, reverse=True)
+    assert mlp_report.residual_bytes == 328
+    assert mlp_report.residual_bytes_by_origin == {
+        "argument": 168,
+        "constant": 0,
+        "loop-stacked": 0,
+        "other": 160,
+    }
+    for r in mlp_report.residuals:
+        if r.origin == "other":
+            assert r.function == "mlp_loss"
+            assert r.source.startswith(__file__ + ":")
+        else:
+            assert (r.source, r.function) == ("", "")
+            assert r.description.startswith("from the argument")
+
+
+def test_jitted_fn_same_residuals(mlp_report):
+    report = jaxmem.profile(jax.jit(mlp_loss), W1, W2, X)
+    assert report.residuals == mlp_report.residuals
+    assert report.temp_bytes == mlp_report.temp_bytes
+
+
+def test_scan_residuals_loop_stacked(scan_report):
+    with open(__file__) as f:
+        line = next(i for i, text in enumerate(f, 1) if "# <scan-call>" in text)
+    stacked = [r for r in scan_report.residuals if r.origin == "loop-stacked"]
+    # carry-in h (for dw), tanh output and 1 - output, each stacked over T=6 steps
+    assert [(r.shape, r.bytes) for r in stacked] == [((6, 2, 4), 192)] * 3
+    for r in stacked:
+        assert r.source == f"{__file__}:{line}"
+        assert r.function == "scan_loss"
+        assert r.description.startswith("output of scan from ")
+    assert scan_report.residual_bytes_by_origin["loop-stacked"] == 576
+
+
+def test_non_scalar_fn_has_no_residuals():
+    report = jaxmem.profile(lambda x: jnp.tanh(x), jnp.ones(4))
+    assert report.residuals is None
+    assert report.residual_bytes is None
+    assert report.residual_bytes_by_origin == {}
+    assert "n/a" in str(report)
+
+
+def test_integer_scalar_fn_has_no_residuals():
+    assert jaxmem.profile(lambda x: jnp.sum(x), jnp.ones(4, jnp.int32)).residuals is None
+
+
+def test_shape_dtype_struct_args(mlp_report):
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (W1, W2, X)]
+    report = jaxmem.profile(mlp_loss, *specs)
+    assert report.argument_bytes == mlp_report.argument_bytes == 168
+    assert report.residuals == mlp_report.residuals
+
+
+def test_bf16_kwargs_and_python_scalar():
+    def loss(x, *, scale):
+        return jnp.sum(jnp.sin(x) * scale)
+
+    report = jaxmem.profile(loss, jax.ShapeDtypeStruct((8,), jnp.bfloat16), scale=2.0)
+    assert report.residuals is not None
+    # sin(x) (for d scale), cos(x) (for dx), and scale as a bf16 scalar (for dx)
+    got = sorted((r.shape, r.dtype, r.bytes) for r in report.residuals)
+    assert got == [((), "bfloat16", 2), ((8,), "bfloat16", 16), ((8,), "bfloat16", 16)]
+
+
+def test_compare_ratios_and_tables():
+    cmp = jaxmem.compare({"stock": scan_loss, "remat": jax.checkpoint(scan_loss)}, W, XS)
+    assert list(cmp.reports) == ["stock", "remat"]
+    assert cmp.baseline == "stock"
+    stock, remat = cmp.reports["stock"], cmp.reports["remat"]
+    assert (stock.name, remat.name) == ("stock", "remat")
+    for field in ["temp_bytes", "argument_bytes", "output_bytes", "peak_bytes", "residual_bytes"]:
+        assert cmp.ratio("stock", field) == 1.0
+        assert cmp.ratio("remat", field) == getattr(remat, field) / getattr(stock, field)
+    assert cmp.ratio("remat", "residual_bytes") < 1.0
+    assert cmp.ratio("remat") == remat.temp_bytes / stock.temp_bytes
+    assert math.isnan(cmp.ratio("remat", "alias_bytes"))  # 0 / 0
+    for text in (str(cmp), cmp.to_markdown()):
+        assert "stock" in text and "remat" in text and "×1.00" in text
+    d = json.loads(cmp.to_json())
+    assert d["ratios"]["remat"]["residual_bytes"] == cmp.ratio("remat", "residual_bytes")
+    assert d["ratios"]["remat"]["alias_bytes"] is None
+    assert d["reports"]["remat"]["temp_bytes"] == remat.temp_bytes
+    with pytest.raises(KeyError, match="nope"):
+        cmp.ratio("nope")
+    with pytest.raises(ValueError, match="temp"):
+        cmp.ratio("stock", "tmp_bytes")
+
+
+def test_compare_zero_baseline_is_inf():
+    fns = {"double": lambda x: x * 2, "cumsum": lambda x: jnp.sum(jnp.cumsum(jnp.sin(x)))}
+    cmp = jaxmem.compare(fns, jnp.ones(256))
+    assert cmp.reports["double"].temp_bytes == 0 < cmp.reports["cumsum"].temp_bytes
+    assert cmp.ratio("cumsum") == math.inf
+    assert math.isnan(cmp.ratio("cumsum", "residual_bytes"))  # baseline has no listing
+    assert "×inf" in str(cmp)
+
+
+def test_to_dict_json_roundtrip(mlp_report):
+    d = json.loads(mlp_report.to_json())
+    assert d == mlp_report.to_dict()
+    for f in FIELDS:
+        assert d[f"{f}_bytes"] == getattr(mlp_report, f"{f}_bytes")
+    assert d["peak_bytes"] == mlp_report.peak_bytes
+    assert d["residual_bytes"] == 328
+    assert d["residual_bytes_by_origin"] == mlp_report.residual_bytes_by_origin
+    rebuilt = [jaxmem.Residual(**{**r, "shape": tuple(r["shape"])}) for r in d["residuals"]]
+    assert tuple(rebuilt) == mlp_report.residuals
+
+
+def test_str_and_markdown(mlp_report):
+    text = str(mlp_report)
+    assert text.startswith("MemoryReport: mlp_loss")
+    for f in FIELDS:
+        assert f"{f}_bytes" in text
+    assert "peak_bytes" in text
+    for r in mlp_report.residuals:
+        row = re.escape(str(r.shape)) + r"\s+" + r.dtype + r"\s+" + f"{r.bytes:,}"
+        assert re.search(row + r"\s+\S+ B\s+" + r.origin, text), row
+    assert re.search(r"total\s+328", text)
+    assert "test_profile.py:" in text  # source column
+    md = mlp_report.to_markdown()
+    assert "| temp_bytes |" in md and "| (4, 6) | float32 | 96 |" in md
+
+
+def test_human_units():
+    report = jaxmem.profile(lambda x: x + 1, jax.ShapeDtypeStruct((3, 2**20), jnp.float32))
+    assert report.argument_bytes == 12 * 2**20
+    assert "12.00 MiB" in str(report) and f"{12 * 2**20:,}" in str(report)
+
+
+def test_plot_png(tmp_path, scan_report):
+    out = scan_report.plot(tmp_path / "report.png")
+    assert out == tmp_path / "report.png"
+    assert out.read_bytes()[:8] == PNG_MAGIC
+    cmp = jaxmem.compare({"a": scan_loss, "b": jax.checkpoint(scan_loss)}, W, XS)
+    out = cmp.plot(str(tmp_path / "cmp.png"))
+    data = (tmp_path / "cmp.png").read_bytes()
+    assert out == str(tmp_path / "cmp.png") and data[:8] == PNG_MAGIC and len(data) > 1000
+
+
+def test_plot_without_residuals(tmp_path):
+    report = jaxmem.profile(lambda x: x * 2, jnp.ones(4))
+    assert report.plot(tmp_path / "r.png").read_bytes()[:8] == PNG_MAGIC
+
+
+# ---- bad input ------------------------------------------------------------------------------
+
+
+def test_fn_not_callable():
+    with pytest.raises(TypeError, match=r"profile: fn must be callable.*got int \(3\)"):
+        jaxmem.profile(3, jnp.ones(2))
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, path, what",
+    [
+        ((jnp.ones(2), {"w": "abc"}), {}, "args[1]['w']", "str ('abc')"),
+        ((), {"cfg": [1.0, object()]}, "kwargs['cfg'][1]", "object"),
+        ((np.array(["a", "b"]),), {}, "args[0]", "numpy value of dtype <U1"),
+    ],
+)
+def test_untraceable_argument(args, kwargs, path, what):
+    called = []
+
+    def fn(*a, **k):
+        called.append(1)
+        return 0.0
+
+    with pytest.raises(TypeError, match=re.escape(f"argument {path} is a {what}")) as e:
+        jaxmem.profile(fn, *args, **kwargs)
+    assert "only arrays, scalars and jax.ShapeDtypeStruct can be traced" in str(e.value)
+    assert called == []  # checked before tracing
+
+
+def test_trace_failure_is_chained():
+    def broken_loss(x):
+        return jnp.sum(x @ x)  # (2, 3) @ (2, 3)
+
+    with pytest.raises(ProfileError, match="'broken_loss'") as e:
+        jaxmem.profile(broken_loss, jnp.ones((2, 3)))
+    assert isinstance(e.value, RuntimeError)
+    assert isinstance(e.value.__cause__, TypeError)
+
+
+def test_compare_bad_input():
+    with pytest.raises(ValueError, match="empty"):
+        jaxmem.compare({}, jnp.ones(2))
+    with pytest.raises(TypeError, match=r"fns\['fast'\] must be callable.*str"):
+        jaxmem.compare({"ok": jnp.sin, "fast": "jnp.cos"}, jnp.ones(2))
+    with pytest.raises(TypeError, match="mapping"):
+        jaxmem.compare([jnp.sin], jnp.ones(2))
+    with pytest.raises(TypeError, match=r"compare: argument args\[0\] is a str"):
+        jaxmem.compare({"ok": jnp.sin}, "x")
+
+
+def test_compare_failure_names_label():
+    def broken(x):
+        return x @ x
+
+    with pytest.raises(ProfileError, match=r"'lean' \(function 'broken'\)") as e:
+        jaxmem.compare({"ok": jnp.sin, "lean": broken}, jnp.ones((2, 3)))
+    assert e.value.__cause__ is not None
