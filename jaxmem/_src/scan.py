@@ -36,14 +36,14 @@ _RECOMPUTE_MODES = ("cheap", "none")
 
 
 class ForwardModeError(TypeError):
-  """Raised when forward-mode AD (``jvp``, ``jacfwd``, ``linearize``) meets :func:`jaxmem.scan`."""
+    """Raised when forward-mode AD (``jax.jvp``, ``jax.jacfwd``) meets :func:`jaxmem.scan`."""
 
 
 _FORWARD_MODE_MESSAGE = (
-  "jaxmem.scan supports reverse-mode differentiation only (jax.grad, jax.vjp, jax.jacrev): its "
-  "memory savings come from a custom VJP, and JAX cannot apply forward-mode autodiff (jax.jvp, "
-  "jax.jacfwd, jax.linearize, jax.hessian's inner jacfwd) to a custom VJP. Use jax.lax.scan for "
-  "forward-mode, or jax.jacrev(jax.jacrev(...)) instead of jax.hessian."
+    "jaxmem.scan supports reverse-mode differentiation only (jax.grad, jax.vjp, jax.jacrev, and "
+    "jax.hessian, whose reverse pass comes first): its memory savings come from a custom VJP, and "
+    "JAX cannot apply forward-mode autodiff (jax.jvp, jax.jacfwd, jax.linearize) to a custom VJP. "
+    "Use jax.lax.scan where you need forward mode."
 )
 
 
@@ -52,86 +52,87 @@ _FORWARD_MODE_MESSAGE = (
 
 
 def _describe(leaf) -> str:
-  text = repr(leaf)
-  if len(text) > 40:
-    text = text[:37] + "..."
-  return f"a {type(leaf).__name__} ({text})"
+    text = repr(leaf)
+    if len(text) > 40:
+        text = text[:37] + "..."
+    return f"a {type(leaf).__name__} ({text})"
 
 
 def _is_arraylike(leaf) -> bool:
-  return isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)) or (
-    isinstance(leaf, core.Tracer)
-  )
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)) or (
+        isinstance(leaf, core.Tracer)
+    )
 
 
 def _check_leaves(tree, argname: str, fname: str, allow_structs: bool = False):
-  """Flattens ``tree``, raising a TypeError that names the path of any non-array leaf."""
-  leaves_with_paths, treedef = tree_flatten_with_path(tree)
-  for path, leaf in leaves_with_paths:
-    if not (_is_arraylike(leaf) or (allow_structs and isinstance(leaf, jax.ShapeDtypeStruct))):
-      raise TypeError(
-        f"{fname} got a non-array leaf in {argname}: {argname}{keystr(path)} is "
-        f"{_describe(leaf)}; every leaf must be a JAX or NumPy array or a Python scalar."
-      )
-  return [p for p, _ in leaves_with_paths], [x for _, x in leaves_with_paths], treedef
+    """Flattens ``tree``, raising a TypeError that names the path of any non-array leaf."""
+    leaves_with_paths, treedef = tree_flatten_with_path(tree)
+    for path, leaf in leaves_with_paths:
+        if not (_is_arraylike(leaf) or (allow_structs and isinstance(leaf, jax.ShapeDtypeStruct))):
+            raise TypeError(
+                f"{fname} got a non-array leaf in {argname}: {argname}{keystr(path)} is "
+                f"{_describe(leaf)}; every leaf must be a JAX or NumPy array or a Python scalar."
+            )
+    return [p for p, _ in leaves_with_paths], [x for _, x in leaves_with_paths], treedef
 
 
 def _infer_length(xs_paths, xs_leaves, length, fname: str) -> int:
-  sizes = []
-  for path, x in zip(xs_paths, xs_leaves, strict=True):
-    shape = np.shape(x)
-    if not shape:
-      raise ValueError(
-        f"{fname} got a scalar xs leaf xs{keystr(path)} (shape ()); every xs leaf needs a "
-        "leading axis to scan over."
-      )
-    sizes.append((path, shape[0]))
-  if length is not None:
-    try:
-      length = int(core.concrete_or_error(None, length, f"{fname}: length must be concrete"))
-    except TypeError as e:
-      raise TypeError(f"{fname} got a non-integer length={length!r}.") from e
-    if length < 0:
-      raise ValueError(f"{fname} got a negative length={length}.")
-    wrong = [(p, n) for p, n in sizes if n != length]
-    if wrong:
-      listed = ", ".join(f"xs{keystr(p)} has {n}" for p, n in wrong)
-      raise ValueError(
-        f"{fname} got length={length} but the xs leading-axis sizes disagree: {listed}."
-      )
-    return length
-  if not sizes:
-    raise ValueError(f"{fname} got no xs to scan over and no length: pass length=... .")
-  distinct = {n for _, n in sizes}
-  if len(distinct) > 1:
-    listed = ", ".join(f"xs{keystr(p)} has {n}" for p, n in sizes)
-    raise ValueError(f"{fname} got inconsistent leading-axis sizes: {listed}.")
-  return sizes[0][1]
+    sizes = []
+    for path, x in zip(xs_paths, xs_leaves, strict=True):
+        shape = np.shape(x)
+        if not shape:
+            raise ValueError(
+                f"{fname} got a scalar xs leaf xs{keystr(path)} (shape ()); every xs leaf needs a "
+                "leading axis to scan over."
+            )
+        sizes.append((path, shape[0]))
+    if length is not None:
+        try:
+            length = int(core.concrete_or_error(None, length, f"{fname}: length must be concrete"))
+        except TypeError as e:
+            raise TypeError(f"{fname} got a non-integer length={length!r}.") from e
+        if length < 0:
+            raise ValueError(f"{fname} got a negative length={length}.")
+        wrong = [(p, n) for p, n in sizes if n != length]
+        if wrong:
+            listed = ", ".join(f"xs{keystr(p)} has {n}" for p, n in wrong)
+            raise ValueError(
+                f"{fname} got length={length} but the xs leading-axis sizes disagree: {listed}."
+            )
+        return length
+    if not sizes:
+        raise ValueError(f"{fname} got no xs to scan over and no length: pass length=... .")
+    distinct = {n for _, n in sizes}
+    if len(distinct) > 1:
+        listed = ", ".join(f"xs{keystr(p)} has {n}" for p, n in sizes)
+        raise ValueError(f"{fname} got inconsistent leading-axis sizes: {listed}.")
+    return sizes[0][1]
 
 
 def _check_unroll(unroll, fname: str):
-  if isinstance(unroll, bool):
-    return unroll
-  if isinstance(unroll, (int, np.integer)) and unroll >= 0:
-    return int(unroll)
-  raise TypeError(f"{fname} got unroll={unroll!r}; expected a bool or a non-negative int.")
+    if isinstance(unroll, bool):
+        return unroll
+    if isinstance(unroll, (int, np.integer)) and unroll >= 0:
+        return int(unroll)
+    raise TypeError(f"{fname} got unroll={unroll!r}; expected a bool or a non-negative int.")
 
 
 def _check_recompute(recompute, fname: str) -> str:
-  if recompute not in _RECOMPUTE_MODES:
-    raise ValueError(
-      f"{fname} got recompute={recompute!r}; expected one of {', '.join(map(repr, _RECOMPUTE_MODES))}."
-    )
-  return recompute
+    if recompute not in _RECOMPUTE_MODES:
+        raise ValueError(
+            f"{fname} got recompute={recompute!r}; expected one of "
+            f"{', '.join(map(repr, _RECOMPUTE_MODES))}."
+        )
+    return recompute
 
 
 def _aval(x) -> core.ShapedArray:
-  a = jax.typeof(x)
-  return core.ShapedArray(a.shape, a.dtype, weak_type=a.weak_type)
+    a = jax.typeof(x)
+    return core.ShapedArray(a.shape, a.dtype, weak_type=a.weak_type)
 
 
 def _struct(aval) -> jax.ShapeDtypeStruct:
-  return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
 
 
 # ------------------------------------------------------------------------------------------
@@ -139,100 +140,101 @@ def _struct(aval) -> jax.ShapeDtypeStruct:
 
 
 class _Body:
-  """The traced body: a jaxpr with inputs ``(*traced_consts, *carry, *x)``."""
+    """The traced body: a jaxpr with inputs ``(*traced_consts, *carry, *x)``."""
 
-  def __init__(self, jaxpr: core.ClosedJaxpr, consts: list, n_carry: int, carry_tree, y_tree):
-    self.jaxpr = jaxpr
-    self.consts = consts
-    self.n_carry = n_carry
-    self.carry_tree = carry_tree
-    self.y_tree = y_tree
+    def __init__(self, jaxpr: core.ClosedJaxpr, consts: list, n_carry: int, carry_tree, y_tree):
+        self.jaxpr = jaxpr
+        self.consts = consts
+        self.n_carry = n_carry
+        self.carry_tree = carry_tree
+        self.y_tree = y_tree
 
-  def __call__(self, consts, carry, x):
-    outs = core.eval_jaxpr(self.jaxpr.jaxpr, self.jaxpr.consts, *consts, *carry, *x)
-    return list(outs[: self.n_carry]), list(outs[self.n_carry :])
+    def __call__(self, consts, carry, x):
+        outs = core.eval_jaxpr(self.jaxpr.jaxpr, self.jaxpr.consts, *consts, *carry, *x)
+        return list(outs[: self.n_carry]), list(outs[self.n_carry :])
 
 
 def _trace_body(
-  f, fname, init_tree, init_paths, carry_avals, xs_tree, x_avals, diff_consts=False
+    f, fname, init_tree, init_paths, carry_avals, xs_tree, x_avals, diff_consts=False
 ) -> _Body:
-  n_carry = len(carry_avals)
-  out_trees = []
+    n_carry = len(carry_avals)
+    out_trees = []
 
-  def flat_body(carry_leaves, x_leaves):
-    carry = tree_unflatten(init_tree, carry_leaves)
-    x = tree_unflatten(xs_tree, x_leaves)
-    out = f(carry, x)
-    if not (isinstance(out, tuple) and len(out) == 2):
-      raise TypeError(
-        f"{fname} body must return a pair (carry, y), got {_describe(out)}."
-      )
-    new_carry, y = out
-    new_leaves, new_tree = tree_flatten(new_carry)
-    y_paths, y_leaves, y_tree = _check_leaves(y, "y", f"{fname} body output")
-    if new_tree != init_tree:
-      raise TypeError(
-        f"{fname} body changed the carry's tree structure: init is {init_tree} but the body "
-        f"returned {new_tree}. Return a carry with the same structure as init."
-      )
-    out_trees.append(y_tree)
-    return new_leaves + y_leaves
+    def flat_body(carry_leaves, x_leaves):
+        carry = tree_unflatten(init_tree, carry_leaves)
+        x = tree_unflatten(xs_tree, x_leaves)
+        out = f(carry, x)
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(f"{fname} body must return a pair (carry, y), got {_describe(out)}.")
+        new_carry, y = out
+        new_leaves, new_tree = tree_flatten(new_carry)
+        y_paths, y_leaves, y_tree = _check_leaves(y, "y", f"{fname} body output")
+        if new_tree != init_tree:
+            raise TypeError(
+                f"{fname} body changed the carry's tree structure: init is {init_tree} but "
+                f"the body returned {new_tree}. Return a carry with the same structure as init."
+            )
+        out_trees.append(y_tree)
+        return new_leaves + y_leaves
 
-  closed = jax.make_jaxpr(flat_body)([_struct(a) for a in carry_avals], [_struct(a) for a in x_avals])
-  jaxpr = closed.jaxpr
-  # Traced constants (tracers of an outer transformation) become explicit inputs, so they get
-  # cotangents; concrete constants stay constants.
-  # With diff_consts, concrete float constants count as traced too (as parameters would be).
-  is_traced = [
-    isinstance(c, core.Tracer) or (diff_consts and jnp.issubdtype(jnp.result_type(c), jnp.inexact))
-    for c in closed.consts
-  ]
-  traced_vars = [v for v, t in zip(jaxpr.constvars, is_traced, strict=True) if t]
-  traced_vals = [c for c, t in zip(closed.consts, is_traced, strict=True) if t]
-  kept_vars = [v for v, t in zip(jaxpr.constvars, is_traced, strict=True) if not t]
-  kept_vals = [c for c, t in zip(closed.consts, is_traced, strict=True) if not t]
-  jaxpr = jaxpr.replace(constvars=kept_vars, invars=traced_vars + list(jaxpr.invars))
-  body = _Body(core.ClosedJaxpr(jaxpr, kept_vals), traced_vals, n_carry, init_tree, out_trees[-1])
-  out_avals = [v.aval for v in jaxpr.outvars[:n_carry]]
-  return body, out_avals
+    closed = jax.make_jaxpr(flat_body)(
+        [_struct(a) for a in carry_avals], [_struct(a) for a in x_avals]
+    )
+    jaxpr = closed.jaxpr
+    # Traced constants (tracers of an outer transformation) become explicit inputs, so they get
+    # cotangents; concrete constants stay constants.
+    # With diff_consts, concrete float constants count as traced too (as parameters would be).
+    is_traced = [
+        isinstance(c, core.Tracer)
+        or (diff_consts and jnp.issubdtype(jnp.result_type(c), jnp.inexact))
+        for c in closed.consts
+    ]
+    traced_vars = [v for v, t in zip(jaxpr.constvars, is_traced, strict=True) if t]
+    traced_vals = [c for c, t in zip(closed.consts, is_traced, strict=True) if t]
+    kept_vars = [v for v, t in zip(jaxpr.constvars, is_traced, strict=True) if not t]
+    kept_vals = [c for c, t in zip(closed.consts, is_traced, strict=True) if not t]
+    jaxpr = jaxpr.replace(constvars=kept_vars, invars=traced_vars + list(jaxpr.invars))
+    body = _Body(core.ClosedJaxpr(jaxpr, kept_vals), traced_vals, n_carry, init_tree, out_trees[-1])
+    out_avals = [v.aval for v in jaxpr.outvars[:n_carry]]
+    return body, out_avals
 
 
 def _prepare(f, init, xs, length, unroll, recompute, fname, diff_consts=False):
-  """Checks the arguments and traces the body (promoting weak-typed init leaves once)."""
-  if not callable(f):
-    raise TypeError(f"{fname} expected a callable body f(carry, x), got {_describe(f)}.")
-  recompute = _check_recompute(recompute, fname)
-  unroll = _check_unroll(unroll, fname)
-  init_paths, init_leaves, init_tree = _check_leaves(init, "init", fname)
-  xs_paths, xs_leaves, xs_tree = _check_leaves(xs, "xs", fname)
-  length = _infer_length(xs_paths, xs_leaves, length, fname)
-  init_leaves = [x if isinstance(x, core.Tracer) else jnp.asarray(x) for x in init_leaves]
-  xs_leaves = [x if isinstance(x, core.Tracer) else jnp.asarray(x) for x in xs_leaves]
-  carry_avals = [_aval(x) for x in init_leaves]
-  x_avals = [core.ShapedArray(np.shape(x)[1:], jax.dtypes.result_type(x)) for x in xs_leaves]
-  body, out_avals = _trace_body(
-    f, fname, init_tree, init_paths, carry_avals, xs_tree, x_avals, diff_consts
-  )
-  changed = False
-  for i, (a_in, a_out) in enumerate(zip(carry_avals, out_avals, strict=True)):
-    if a_in.weak_type and not core.typematch(a_in, a_out):
-      init_leaves[i] = jax.lax.convert_element_type(
-        init_leaves[i], jax.dtypes.result_type(init_leaves[i], a_out)
-      )
-      changed = True
-  if changed:
+    """Checks the arguments and traces the body (promoting weak-typed init leaves once)."""
+    if not callable(f):
+        raise TypeError(f"{fname} expected a callable body f(carry, x), got {_describe(f)}.")
+    recompute = _check_recompute(recompute, fname)
+    unroll = _check_unroll(unroll, fname)
+    init_paths, init_leaves, init_tree = _check_leaves(init, "init", fname)
+    xs_paths, xs_leaves, xs_tree = _check_leaves(xs, "xs", fname)
+    length = _infer_length(xs_paths, xs_leaves, length, fname)
+    init_leaves = [x if isinstance(x, core.Tracer) else jnp.asarray(x) for x in init_leaves]
+    xs_leaves = [x if isinstance(x, core.Tracer) else jnp.asarray(x) for x in xs_leaves]
     carry_avals = [_aval(x) for x in init_leaves]
+    x_avals = [core.ShapedArray(np.shape(x)[1:], jax.dtypes.result_type(x)) for x in xs_leaves]
     body, out_avals = _trace_body(
-    f, fname, init_tree, init_paths, carry_avals, xs_tree, x_avals, diff_consts
-  )
-  for path, a_in, a_out in zip(init_paths, carry_avals, out_avals, strict=True):
-    if not core.typematch(a_in, a_out):
-      raise TypeError(
-        f"{fname} body changed the type of the carry: init{keystr(path)} is "
-        f"{a_in.str_short()} but the body returned {a_out.str_short()} for it. The carry must "
-        "keep its shape and dtype across steps (cast it, or fix init)."
-      )
-  return body, init_leaves, xs_leaves, xs_tree, length, unroll, recompute
+        f, fname, init_tree, init_paths, carry_avals, xs_tree, x_avals, diff_consts
+    )
+    changed = False
+    for i, (a_in, a_out) in enumerate(zip(carry_avals, out_avals, strict=True)):
+        if a_in.weak_type and not core.typematch(a_in, a_out):
+            init_leaves[i] = jax.lax.convert_element_type(
+                init_leaves[i], jax.dtypes.result_type(init_leaves[i], a_out)
+            )
+            changed = True
+    if changed:
+        carry_avals = [_aval(x) for x in init_leaves]
+        body, out_avals = _trace_body(
+            f, fname, init_tree, init_paths, carry_avals, xs_tree, x_avals, diff_consts
+        )
+    for path, a_in, a_out in zip(init_paths, carry_avals, out_avals, strict=True):
+        if not core.typematch(a_in, a_out):
+            raise TypeError(
+                f"{fname} body changed the type of the carry: init{keystr(path)} is "
+                f"{a_in.str_short()} but the body returned {a_out.str_short()} for it. The "
+                "carry must keep its shape and dtype across steps (cast it, or fix init)."
+            )
+    return body, init_leaves, xs_leaves, xs_tree, length, unroll, recompute
 
 
 # ------------------------------------------------------------------------------------------
@@ -240,178 +242,188 @@ def _prepare(f, init, xs, length, unroll, recompute, fname, diff_consts=False):
 
 
 def _is_float(aval) -> bool:
-  return jnp.issubdtype(aval.dtype, jnp.inexact)
+    return jnp.issubdtype(aval.dtype, jnp.inexact)
 
 
 def _zeros_ct(aval, length=None):
-  """A zero cotangent for a primal of type ``aval`` (float0 for integer and boolean values)."""
-  shape = aval.shape if length is None else (length, *aval.shape)
-  if _is_float(aval):
-    return jnp.zeros(shape, aval.dtype)
-  return np.zeros(shape, jax.dtypes.float0)
+    """A zero cotangent for a primal of type ``aval`` (float0 for integer and boolean values)."""
+    shape = aval.shape if length is None else (length, *aval.shape)
+    if _is_float(aval):
+        return jnp.zeros(shape, aval.dtype)
+    return np.zeros(shape, jax.dtypes.float0)
 
 
 def _read(env, v):
-  if isinstance(v, core.Literal):
-    return jnp.asarray(v.val, dtype=v.aval.dtype)
-  return env[v]
+    if isinstance(v, core.Literal):
+        return jnp.asarray(v.val, dtype=v.aval.dtype)
+    return env[v]
 
 
 def _build_scan(body: _Body, length: int, reverse: bool, unroll, recompute: str):
-  n_carry = body.n_carry
+    n_carry = body.n_carry
 
-  def plain(consts, init, xs):
-    def step(carry, x):
-      return body(consts, carry, x)
+    def plain(consts, init, xs):
+        def step(carry, x):
+            return body(consts, carry, x)
 
-    return jax.lax.scan(step, init, xs, length=length, reverse=reverse, unroll=unroll)
+        return jax.lax.scan(step, init, xs, length=length, reverse=reverse, unroll=unroll)
 
-  @jax.custom_vjp
-  def run(consts, init, xs):
-    return plain(consts, init, xs)
+    @jax.custom_vjp
+    def run(consts, init, xs):
+        return plain(consts, init, xs)
 
-  plan_cache = []
+    plan_cache = []
 
-  def analyze(consts, init, xs):
-    # The plan depends only on the (fixed) types of the inputs: compute it once, on first use.
-    if plan_cache:
-      return plan_cache[0]
-    plan = _res.analyze_step(
-      core.ClosedJaxpr(body.jaxpr.jaxpr, body.jaxpr.consts),
-      len(consts),
-      n_carry,
-      [_aval(c) for c in consts],
-      [_aval(c) for c in init],
-      [core.ShapedArray(np.shape(x)[1:], x.dtype) for x in xs],
-      recompute,
-    )
-    plan_cache.append(plan)
-    for collector in _PLAN_COLLECTORS:
-      collector.append(_res.summarize(plan, length, _stock_stacked_bytes(body, plan, length)))
-    return plan
-
-  def run_fwd(consts, init, xs):
-    plan = analyze(consts, init, xs)
-    jaxpr = plan.jaxpr
-    base_env = dict(zip(jaxpr.constvars, plan.jaxpr_consts, strict=True))
-    base_env.update(zip(plan.const_invars, consts, strict=True))
-    hoist_eqns = _res.needed_eqns(jaxpr.eqns, plan.hoisted_vars, set(base_env))
-    _res.eval_eqns(hoist_eqns, base_env)
-    hoisted = [base_env[v] for v in plan.hoisted_vars]
-
-    known = set(jaxpr.invars) | set(jaxpr.constvars) | set(plan.hoisted_vars)
-    fwd_eqns = _res.needed_eqns(
-      jaxpr.eqns, [*plan.carry_outvars, *plan.y_outvars, *plan.stacked_vars], known
-    )
-
-    def step(carry, x):
-      env = dict(zip(jaxpr.constvars, plan.jaxpr_consts, strict=True))
-      env.update(zip(plan.const_invars, consts, strict=True))
-      env.update(zip(plan.hoisted_vars, hoisted, strict=True))
-      env.update(zip(plan.carry_invars, carry, strict=True))
-      env.update(zip(plan.x_invars, x, strict=True))
-      _res.eval_eqns(fwd_eqns, env)
-      c_out = [_read(env, v) for v in plan.carry_outvars]
-      y = [_read(env, v) for v in plan.y_outvars]
-      stacked = [env[v] for v in plan.stacked_vars]
-      carry_seq = [c for c, keep in zip(carry, plan.stack_carry, strict=True) if keep]
-      return c_out, (y, stacked, carry_seq)
-
-    final, (ys, stacked, carry_seq) = jax.lax.scan(
-      step, list(init), list(xs), length=length, reverse=reverse, unroll=unroll
-    )
-    ys_needed = [y for y, need in zip(ys, plan.need_y, strict=True) if need]
-    final_kept = [c for c, keep in zip(final, plan.stack_carry, strict=True) if keep]
-    init_from_y = [c for c, j, r in zip(init, plan.carry_from_y, plan.carry_in_read) if j >= 0 and r]
-    res = (consts, hoisted, xs, ys_needed, stacked, carry_seq, final_kept, init_from_y)
-    return (final, ys), res
-
-  def run_bwd(saved, cts):
-    plan = plan_cache[0]
-    consts, hoisted, xs, ys_needed, stacked, carry_seq, final_kept, init_from_y = saved
-    ct_final, ct_ys = cts
-    jaxpr = plan.jaxpr
-    const_avals = [v.aval for v in plan.const_invars]
-    carry_avals = [v.aval for v in plan.carry_invars]
-    x_avals = [v.aval for v in plan.x_invars]
-    y_avals = [v.aval for v in plan.y_outvars]
-    float_consts = [i for i, a in enumerate(const_avals) if _is_float(a)]
-    float_carry = [i for i, a in enumerate(carry_avals) if _is_float(a)]
-    float_x = [i for i, a in enumerate(x_avals) if _is_float(a)]
-    float_y = [i for i, a in enumerate(y_avals) if _is_float(a)]
-    kept_carry_in = [v for v, k in zip(plan.carry_invars, plan.stack_carry, strict=True) if k]
-    kept_carry_out = [v for v, k in zip(plan.carry_outvars, plan.stack_carry, strict=True) if k]
-    needed_y_vars = [v for v, n in zip(plan.y_outvars, plan.need_y, strict=True) if n]
-    # Carry leaves read from ys: carry-in of step t is y[t - 1] (y[t + 1] when reverse), or init.
-    from_y = [
-      (plan.carry_invars[i], needed_y_vars.index(plan.y_outvars[j]))
-      for i, (j, r) in enumerate(zip(plan.carry_from_y, plan.carry_in_read, strict=True))
-      if j >= 0 and r
-    ]
-    first, step_back = (length - 1, 1) if reverse else (0, -1)
-
-    def carry_in_from_y(t):
-      prev = jnp.clip(t + step_back, 0, max(length - 1, 0))
-      return [
-        jnp.where(
-          t == first, init_v, jax.lax.dynamic_index_in_dim(ys_needed[k], prev, keepdims=False)
+    def analyze(consts, init, xs):
+        # The plan depends only on the (fixed) types of the inputs: compute it once, on first use.
+        if plan_cache:
+            return plan_cache[0]
+        plan = _res.analyze_step(
+            core.ClosedJaxpr(body.jaxpr.jaxpr, body.jaxpr.consts),
+            len(consts),
+            n_carry,
+            [_aval(c) for c in consts],
+            [_aval(c) for c in init],
+            [core.ShapedArray(np.shape(x)[1:], x.dtype) for x in xs],
+            recompute,
         )
-        for (_, k), init_v in zip(from_y, init_from_y, strict=True)
-      ]
+        plan_cache.append(plan)
+        for collector in _PLAN_COLLECTORS:
+            collector.append(_res.summarize(plan, length, _stock_stacked_bytes(body, plan, length)))
+        return plan
 
-    def step(bcarry, inp):
-      ct_carry, ct_consts, c_out = bcarry
-      t, x, y_needed, stacked_t, c_in, ct_y = inp
-      env = dict(zip(jaxpr.constvars, plan.jaxpr_consts, strict=True))
-      env.update(zip(plan.const_invars, consts, strict=True))
-      env.update(zip(plan.hoisted_vars, hoisted, strict=True))
-      env.update(zip(plan.x_invars, x, strict=True))
-      env.update(zip(needed_y_vars, y_needed, strict=True))
-      env.update(
-        (v, val) for v, val in zip(kept_carry_out, c_out, strict=True) if not isinstance(
-          v, core.Literal
+    def run_fwd(consts, init, xs):
+        plan = analyze(consts, init, xs)
+        jaxpr = plan.jaxpr
+        base_env = dict(zip(jaxpr.constvars, plan.jaxpr_consts, strict=True))
+        base_env.update(zip(plan.const_invars, consts, strict=True))
+        hoist_eqns = _res.needed_eqns(jaxpr.eqns, plan.hoisted_vars, set(base_env))
+        _res.eval_eqns(hoist_eqns, base_env)
+        hoisted = [base_env[v] for v in plan.hoisted_vars]
+
+        known = set(jaxpr.invars) | set(jaxpr.constvars) | set(plan.hoisted_vars)
+        fwd_eqns = _res.needed_eqns(
+            jaxpr.eqns, [*plan.carry_outvars, *plan.y_outvars, *plan.stacked_vars], known
         )
-      )
-      env.update(zip(kept_carry_in, c_in, strict=True))
-      env.update(zip([v for v, _ in from_y], carry_in_from_y(t), strict=True))
-      env.update(zip(plan.stacked_vars, stacked_t, strict=True))
-      _res.eval_eqns(plan.recompute_eqns, env)
-      res_vals = [_read(env, v) for v in plan.res_outvars]
-      vjp_fn = tree_unflatten(plan.res_treedef, res_vals)
-      full_ct_carry = [_zeros_ct(a) for a in carry_avals]
-      for i, ct in zip(float_carry, ct_carry, strict=True):
-        full_ct_carry[i] = ct
-      full_ct_y = [_zeros_ct(a) for a in y_avals]
-      for i, ct in zip(float_y, ct_y, strict=True):
-        full_ct_y[i] = ct
-      d_consts, d_carry, d_x = vjp_fn((full_ct_carry, full_ct_y))
-      new_ct_consts = [acc + d_consts[i] for acc, i in zip(ct_consts, float_consts, strict=True)]
-      new_ct_carry = [d_carry[i] for i in float_carry]
-      return (new_ct_carry, new_ct_consts, list(c_in)), [d_x[i] for i in float_x]
 
-    init_b = (
-      [ct_final[i] for i in float_carry],
-      [jnp.zeros(const_avals[i].shape, const_avals[i].dtype) for i in float_consts],
-      list(final_kept),
-    )
-    steps = jnp.arange(length, dtype=jnp.int32)
-    inputs = (steps, list(xs), ys_needed, stacked, carry_seq, [ct_ys[i] for i in float_y])
-    (ct_init_f, ct_consts_f, _), ct_xs_f = jax.lax.scan(
-      step, init_b, inputs, length=length, reverse=not reverse, unroll=unroll
-    )
-    ct_consts = [_zeros_ct(a) for a in const_avals]
-    for i, ct in zip(float_consts, ct_consts_f, strict=True):
-      ct_consts[i] = ct
-    ct_init = [_zeros_ct(a) for a in carry_avals]
-    for i, ct in zip(float_carry, ct_init_f, strict=True):
-      ct_init[i] = ct
-    ct_xs = [_zeros_ct(a, length) for a in x_avals]
-    for i, ct in zip(float_x, ct_xs_f, strict=True):
-      ct_xs[i] = ct
-    return ct_consts, ct_init, ct_xs
+        def step(carry, x):
+            env = dict(zip(jaxpr.constvars, plan.jaxpr_consts, strict=True))
+            env.update(zip(plan.const_invars, consts, strict=True))
+            env.update(zip(plan.hoisted_vars, hoisted, strict=True))
+            env.update(zip(plan.carry_invars, carry, strict=True))
+            env.update(zip(plan.x_invars, x, strict=True))
+            _res.eval_eqns(fwd_eqns, env)
+            c_out = [_read(env, v) for v in plan.carry_outvars]
+            y = [_read(env, v) for v in plan.y_outvars]
+            stacked = [env[v] for v in plan.stacked_vars]
+            carry_seq = [c for c, keep in zip(carry, plan.stack_carry, strict=True) if keep]
+            return c_out, (y, stacked, carry_seq)
 
-  run.defvjp(run_fwd, run_bwd)
-  return run, analyze
+        final, (ys, stacked, carry_seq) = jax.lax.scan(
+            step, list(init), list(xs), length=length, reverse=reverse, unroll=unroll
+        )
+        ys_needed = [y for y, need in zip(ys, plan.need_y, strict=True) if need]
+        final_kept = [c for c, keep in zip(final, plan.stack_carry, strict=True) if keep]
+        init_from_y = [
+            c
+            for c, j, r in zip(init, plan.carry_from_y, plan.carry_in_read, strict=True)
+            if j >= 0 and r
+        ]
+        res = (consts, hoisted, xs, ys_needed, stacked, carry_seq, final_kept, init_from_y)
+        return (final, ys), res
+
+    def run_bwd(saved, cts):
+        plan = plan_cache[0]
+        consts, hoisted, xs, ys_needed, stacked, carry_seq, final_kept, init_from_y = saved
+        ct_final, ct_ys = cts
+        jaxpr = plan.jaxpr
+        const_avals = [v.aval for v in plan.const_invars]
+        carry_avals = [v.aval for v in plan.carry_invars]
+        x_avals = [v.aval for v in plan.x_invars]
+        y_avals = [v.aval for v in plan.y_outvars]
+        float_consts = [i for i, a in enumerate(const_avals) if _is_float(a)]
+        float_carry = [i for i, a in enumerate(carry_avals) if _is_float(a)]
+        float_x = [i for i, a in enumerate(x_avals) if _is_float(a)]
+        float_y = [i for i, a in enumerate(y_avals) if _is_float(a)]
+        kept_carry_in = [v for v, k in zip(plan.carry_invars, plan.stack_carry, strict=True) if k]
+        kept_carry_out = [v for v, k in zip(plan.carry_outvars, plan.stack_carry, strict=True) if k]
+        needed_y_vars = [v for v, n in zip(plan.y_outvars, plan.need_y, strict=True) if n]
+        # Carry leaves read from ys: carry-in of step t is y[t - 1] (y[t + 1] if reverse) or init.
+        from_y = [
+            (plan.carry_invars[i], needed_y_vars.index(plan.y_outvars[j]))
+            for i, (j, r) in enumerate(zip(plan.carry_from_y, plan.carry_in_read, strict=True))
+            if j >= 0 and r
+        ]
+        first, step_back = (length - 1, 1) if reverse else (0, -1)
+
+        def carry_in_from_y(t):
+            if length == 0:  # The loop body is traced but never runs.
+                return list(init_from_y)
+            prev = jnp.clip(t + step_back, 0, length - 1)
+            return [
+                jnp.where(
+                    t == first,
+                    init_v,
+                    jax.lax.dynamic_index_in_dim(ys_needed[k], prev, keepdims=False),
+                )
+                for (_, k), init_v in zip(from_y, init_from_y, strict=True)
+            ]
+
+        def step(bcarry, inp):
+            ct_carry, ct_consts, c_out = bcarry
+            t, x, y_needed, stacked_t, c_in, ct_y = inp
+            env = dict(zip(jaxpr.constvars, plan.jaxpr_consts, strict=True))
+            env.update(zip(plan.const_invars, consts, strict=True))
+            env.update(zip(plan.hoisted_vars, hoisted, strict=True))
+            env.update(zip(plan.x_invars, x, strict=True))
+            env.update(zip(needed_y_vars, y_needed, strict=True))
+            env.update(
+                (v, val)
+                for v, val in zip(kept_carry_out, c_out, strict=True)
+                if not isinstance(v, core.Literal)
+            )
+            env.update(zip(kept_carry_in, c_in, strict=True))
+            env.update(zip([v for v, _ in from_y], carry_in_from_y(t), strict=True))
+            env.update(zip(plan.stacked_vars, stacked_t, strict=True))
+            _res.eval_eqns(plan.recompute_eqns, env)
+            res_vals = [_read(env, v) for v in plan.res_outvars]
+            vjp_fn = tree_unflatten(plan.res_treedef, res_vals)
+            full_ct_carry = [_zeros_ct(a) for a in carry_avals]
+            for i, ct in zip(float_carry, ct_carry, strict=True):
+                full_ct_carry[i] = ct
+            full_ct_y = [_zeros_ct(a) for a in y_avals]
+            for i, ct in zip(float_y, ct_y, strict=True):
+                full_ct_y[i] = ct
+            d_consts, d_carry, d_x = vjp_fn((full_ct_carry, full_ct_y))
+            new_ct_consts = [
+                acc + d_consts[i] for acc, i in zip(ct_consts, float_consts, strict=True)
+            ]
+            new_ct_carry = [d_carry[i] for i in float_carry]
+            return (new_ct_carry, new_ct_consts, list(c_in)), [d_x[i] for i in float_x]
+
+        init_b = (
+            [ct_final[i] for i in float_carry],
+            [jnp.zeros(const_avals[i].shape, const_avals[i].dtype) for i in float_consts],
+            list(final_kept),
+        )
+        steps = jnp.arange(length, dtype=jnp.int32)
+        inputs = (steps, list(xs), ys_needed, stacked, carry_seq, [ct_ys[i] for i in float_y])
+        (ct_init_f, ct_consts_f, _), ct_xs_f = jax.lax.scan(
+            step, init_b, inputs, length=length, reverse=not reverse, unroll=unroll
+        )
+        ct_consts = [_zeros_ct(a) for a in const_avals]
+        for i, ct in zip(float_consts, ct_consts_f, strict=True):
+            ct_consts[i] = ct
+        ct_init = [_zeros_ct(a) for a in carry_avals]
+        for i, ct in zip(float_carry, ct_init_f, strict=True):
+            ct_init[i] = ct
+        ct_xs = [_zeros_ct(a, length) for a in x_avals]
+        for i, ct in zip(float_x, ct_xs_f, strict=True):
+            ct_xs[i] = ct
+        return ct_consts, ct_init, ct_xs
+
+    run.defvjp(run_fwd, run_bwd)
+    return run, analyze
 
 
 # Active collectors of scan plans (see collect_plans); analysis appends to each.
@@ -420,199 +432,213 @@ _PLAN_COLLECTORS: list[list] = []
 
 @contextlib.contextmanager
 def collect_plans():
-  """Collects the :class:`ScanPlan` of every :func:`scan` differentiated inside the block."""
-  plans: list = []
-  _PLAN_COLLECTORS.append(plans)
-  try:
-    yield plans
-  finally:
-    _PLAN_COLLECTORS.remove(plans)
+    """Collects the :class:`ScanPlan` of every :func:`scan` differentiated inside the block."""
+    plans: list = []
+    _PLAN_COLLECTORS.append(plans)
+    try:
+        yield plans
+    finally:
+        _PLAN_COLLECTORS.remove(plans)
 
 
 def _stock_stacked_bytes(body: _Body, plan, length: int) -> int:
-  """Bytes :func:`jax.lax.scan` stacks for the same step: its loop-stacked residuals."""
-  structs = [
-    [_struct(v.aval) for v in vs] for vs in (plan.const_invars, plan.carry_invars, plan.x_invars)
-  ]
-  structs[2] = [jax.ShapeDtypeStruct((length, *a.shape), a.dtype) for a in structs[2]]
+    """Bytes :func:`jax.lax.scan` stacks for the same step: its loop-stacked residuals."""
+    structs = [
+        [_struct(v.aval) for v in vs]
+        for vs in (plan.const_invars, plan.carry_invars, plan.x_invars)
+    ]
+    structs[2] = [jax.ShapeDtypeStruct((length, *a.shape), a.dtype) for a in structs[2]]
 
-  def stock_loss(consts, init, xs):
-    final, ys = jax.lax.scan(lambda c, x: body(consts, c, x), init, xs, length=length)
-    leaves = [x for x in [*final, *ys] if jnp.issubdtype(x.dtype, jnp.inexact)]
-    return sum((jnp.sum(x.astype(jnp.float32)) for x in leaves), jnp.float32(0))
+    def stock_loss(consts, init, xs):
+        final, ys = jax.lax.scan(lambda c, x: body(consts, c, x), init, xs, length=length)
+        leaves = [x for x in [*final, *ys] if jnp.issubdtype(x.dtype, jnp.inexact)]
+        return sum((jnp.sum(x.astype(jnp.float32)) for x in leaves), jnp.float32(0))
 
-  total = 0
-  for aval, description in _saved_residuals(stock_loss, *structs):
-    if description.startswith("output of scan") and aval.shape[:1] == (length,):
-      total += int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
-  return total
+    total = 0
+    for aval, description in _saved_residuals(stock_loss, *structs):
+        if description.startswith("output of scan") and aval.shape[:1] == (length,):
+            total += int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+    return total
 
 
 def scan_residuals(f: Callable, init: Any, xs: Any = None, length: int | None = None, **kwargs):
-  """The plan :func:`scan` makes for the gradient of one scan, next to what ``lax.scan`` stacks.
+    """The plan :func:`scan` makes for the gradient of one scan, next to what ``lax.scan`` stacks.
 
-  Takes the arguments of :func:`scan`. Nothing is computed: the step is traced abstractly
-  (arrays or :class:`jax.ShapeDtypeStruct` work alike). The plan is the one for a gradient with
-  respect to everything: ``init``, ``xs`` and the floating-point arrays ``f`` closes over (its
-  parameters, as in training).
+    Takes the arguments of :func:`scan`. Nothing is computed: the step is traced abstractly
+    (arrays or :class:`jax.ShapeDtypeStruct` work alike). The plan is the one for a gradient with
+    respect to everything: ``init``, ``xs`` and the floating-point arrays ``f`` closes over (its
+    parameters, as in training).
 
-  Args:
-    f: the step, ``f(carry, x) -> (carry, y)``.
-    init: the initial carry.
-    xs: the scanned-over inputs, or None with ``length``.
-    length: the number of steps.
-    **kwargs: ``reverse``, ``unroll``, ``recompute`` as in :func:`scan`.
+    Args:
+      f: the step, ``f(carry, x) -> (carry, y)``.
+      init: the initial carry.
+      xs: the scanned-over inputs, or None with ``length``.
+      length: the number of steps.
+      **kwargs: ``reverse``, ``unroll``, ``recompute`` as in :func:`scan`.
 
-  Returns:
-    A :class:`ScanPlan`: each residual of one step with its shape, dtype, bytes and kind
-    (``xs``/``const``/``carry``/``ys``/``recomputed``/``stacked``), what is stacked per step,
-    and the total stacked bytes for the whole scan next to ``lax.scan``'s.
+    Returns:
+      A :class:`ScanPlan`: each residual of one step with its shape, dtype, bytes and kind
+      (``xs``/``const``/``carry``/``ys``/``recomputed``/``stacked``), what is stacked per step,
+      and the total stacked bytes for the whole scan next to ``lax.scan``'s.
 
-  Raises:
-    Whatever :func:`scan` raises for these arguments.
+    Raises:
+      Whatever :func:`scan` raises for these arguments.
 
-  Examples:
-    >>> import jax, jax.numpy as jnp
-    >>> import jaxmem
-    >>> w = jnp.ones((8, 8))
-    >>> plan = jaxmem.scan_residuals(
-    ...     lambda h, x: (jnp.tanh(h @ w + x),) * 2, jnp.zeros((4, 8)), jnp.ones((16, 4, 8)))
-    >>> [r.kind for r in plan.residuals]  # w, h (for dw), tanh's output (= ys), 1 - output
-    ['const', 'carry', 'ys', 'recomputed']
-    >>> plan.stacked_bytes, plan.stock_stacked_bytes  # ys (16 x 4 x 8 x 4 B) vs 3 stacks
-    (2048, 6144)
-  """
-  unknown = set(kwargs) - {"reverse", "unroll", "recompute"}
-  if unknown:
-    raise TypeError(f"jaxmem.scan_residuals got unexpected keyword arguments: {sorted(unknown)}.")
-  fname = "jaxmem.scan_residuals"
-  if not callable(f):
-    raise TypeError(f"{fname} expected a callable body f(carry, x), got {_describe(f)}.")
-  for argname, tree in (("init", init), ("xs", xs)):
-    _check_leaves(tree, argname, fname, allow_structs=True)
-  plans = []
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import jaxmem
+      >>> w = jnp.ones((8, 8))
+      >>> plan = jaxmem.scan_residuals(
+      ...     lambda h, x: (jnp.tanh(h @ w + x),) * 2, jnp.zeros((4, 8)), jnp.ones((16, 4, 8)))
+      >>> [r.kind for r in plan.residuals]  # w, h (for dw), tanh's output (= ys), 1 - output
+      ['const', 'carry', 'ys', 'recomputed']
+      >>> plan.stacked_bytes, plan.stock_stacked_bytes  # ys (16 x 4 x 8 x 4 B) vs 3 stacks
+      (2048, 6144)
+    """
+    unknown = set(kwargs) - {"reverse", "unroll", "recompute"}
+    if unknown:
+        raise TypeError(
+            f"jaxmem.scan_residuals got unexpected keyword arguments: {sorted(unknown)}."
+        )
+    fname = "jaxmem.scan_residuals"
+    if not callable(f):
+        raise TypeError(f"{fname} expected a callable body f(carry, x), got {_describe(f)}.")
+    for argname, tree in (("init", init), ("xs", xs)):
+        _check_leaves(tree, argname, fname, allow_structs=True)
+    plans = []
 
-  def trace(init, xs):
-    body, init_leaves, xs_leaves, _, n, unroll, recompute = _prepare(
-      f, init, xs, length, kwargs.get("unroll", 1), kwargs.get("recompute", "cheap"), fname,
-      diff_consts=True,
-    )
-    _, analyze = _build_scan(body, n, bool(kwargs.get("reverse", False)), unroll, recompute)
-    plan = analyze(body.consts, init_leaves, xs_leaves)
-    plans.append(_res.summarize(plan, n, _stock_stacked_bytes(body, plan, n)))
+    def trace(init, xs):
+        body, init_leaves, xs_leaves, _, n, unroll, recompute = _prepare(
+            f,
+            init,
+            xs,
+            length,
+            kwargs.get("unroll", 1),
+            kwargs.get("recompute", "cheap"),
+            fname,
+            diff_consts=True,
+        )
+        _, analyze = _build_scan(body, n, bool(kwargs.get("reverse", False)), unroll, recompute)
+        plan = analyze(body.consts, init_leaves, xs_leaves)
+        plans.append(_res.summarize(plan, n, _stock_stacked_bytes(body, plan, n)))
 
-  jax.eval_shape(trace, init, xs)
-  return plans[0]
+    jax.eval_shape(trace, init, xs)
+    return plans[0]
 
 
 def scan(
-  f: Callable,
-  init: Any,
-  xs: Any = None,
-  length: int | None = None,
-  reverse: bool = False,
-  unroll: int | bool = 1,
-  *,
-  recompute: str = "cheap",
+    f: Callable,
+    init: Any,
+    xs: Any = None,
+    length: int | None = None,
+    reverse: bool = False,
+    unroll: int | bool = 1,
+    *,
+    recompute: str = "cheap",
 ):
-  """Scans ``f`` over the leading axis of ``xs``, like :func:`jax.lax.scan`, with a lean VJP.
+    """Scans ``f`` over the leading axis of ``xs``, like :func:`jax.lax.scan`, with a lean VJP.
 
-  The forward semantics, arguments and checks are those of :func:`jax.lax.scan`. The gradient
-  is computed by a custom VJP that does not stack residuals that are xs slices or loop-invariant
-  constants, keeps the carry sequence at most once and serves residuals equal to the carry or a
-  ys output from it, recomputes cheap functions of those (with ``recompute="cheap"``), and stacks
-  only the rest: the *partial activations*. :func:`jaxmem.scan_residuals` shows the plan.
+    The forward semantics, arguments and checks are those of :func:`jax.lax.scan`. The gradient
+    is computed by a custom VJP that does not stack residuals that are xs slices or loop-invariant
+    constants, keeps the carry sequence at most once and serves residuals equal to the carry or a
+    ys output from it, recomputes cheap functions of those (with ``recompute="cheap"``), and stacks
+    only the rest: the *partial activations*. :func:`jaxmem.scan_residuals` shows the plan.
 
-  Args:
-    f: the step, ``f(carry, x) -> (carry, y)``.
-    init: the initial carry, a pytree of arrays.
-    xs: a pytree of arrays with a common leading axis, or None (then ``length`` is required).
-    length: the number of steps; must agree with the leading axis of ``xs``.
-    reverse: scan from the end of ``xs`` to the start (outputs stay in ``xs`` order).
-    unroll: loop unrolling, an int or a bool, passed to :func:`jax.lax.scan` (forward and
-      backward loops).
-    recompute: ``"cheap"`` (default) recomputes residuals that are cheap functions
-      (elementwise, convert, transpose, reshape, broadcast, slice, select, compare) of values
-      available in the backward step; ``"none"`` stacks them.
+    Args:
+      f: the step, ``f(carry, x) -> (carry, y)``.
+      init: the initial carry, a pytree of arrays.
+      xs: a pytree of arrays with a common leading axis, or None (then ``length`` is required).
+      length: the number of steps; must agree with the leading axis of ``xs``.
+      reverse: scan from the end of ``xs`` to the start (outputs stay in ``xs`` order).
+      unroll: loop unrolling, an int or a bool, passed to :func:`jax.lax.scan` (forward and
+        backward loops).
+      recompute: ``"cheap"`` (default) recomputes residuals that are cheap functions
+        (elementwise, convert, transpose, reshape, broadcast, slice, select, compare) of values
+        available in the backward step; ``"none"`` stacks them.
 
-  Returns:
-    ``(final_carry, stacked_ys)``, as :func:`jax.lax.scan`.
+    Returns:
+      ``(final_carry, stacked_ys)``, as :func:`jax.lax.scan`.
 
-  Raises:
-    TypeError: ``f`` not callable, a non-array leaf in ``init``/``xs`` (named by its path), a
-      carry whose type changes across a step (both types shown), ``f`` not returning a pair.
-    ValueError: leading-axis sizes that disagree with each other or with ``length`` (every
-      size and path named), no ``xs`` and no ``length``, a bad ``recompute``.
-    ForwardModeError: when differentiated in forward mode (``jax.jvp``, ``jax.jacfwd``,
-      ``jax.linearize``); use :func:`jax.lax.scan` there.
+    Raises:
+      TypeError: ``f`` not callable, a non-array leaf in ``init``/``xs`` (named by its path), a
+        carry whose type changes across a step (both types shown), ``f`` not returning a pair.
+      ValueError: leading-axis sizes that disagree with each other or with ``length`` (every
+        size and path named), no ``xs`` and no ``length``, a bad ``recompute``.
+      ForwardModeError: when differentiated in forward mode (``jax.jvp``, ``jax.jacfwd``); use
+        :func:`jax.lax.scan` there. Where the forward-mode transformation is applied to an
+        already staged function (``jax.jvp(jax.jit(f))``, or calling the linear function that
+        ``jax.linearize`` returns), JAX itself raises ``TypeError: can't apply forward-mode
+        autodiff (jvp) to a custom_vjp function`` when the staged code runs; ``ForwardModeError``
+        is a ``TypeError`` too, so ``except TypeError`` covers both. ``jax.hessian`` (forward
+        over reverse) works.
 
-  Examples:
-    >>> import jax, jax.numpy as jnp
-    >>> import jaxmem
-    >>> def loss(w, xs, h0):
-    ...   def step(h, x):
-    ...     h = jnp.tanh(h @ w + x)
-    ...     return h, h
-    ...   _, ys = jaxmem.scan(step, h0, xs)
-    ...   return jnp.sum(ys**2)
-    >>> w, xs, h0 = jnp.eye(3) * 0.5, jnp.ones((5, 2, 3)), jnp.zeros((2, 3))
-    >>> g = jax.grad(loss)(w, xs, h0)
-    >>> def stock(w, xs, h0):
-    ...   _, ys = jax.lax.scan(lambda h, x: (jnp.tanh(h @ w + x),) * 2, h0, xs)
-    ...   return jnp.sum(ys**2)
-    >>> bool(jnp.allclose(g, jax.grad(stock)(w, xs, h0), rtol=1e-6))
-    True
-  """
-  fname = "jaxmem.scan"
-  body, init_leaves, xs_leaves, _, length, unroll, recompute = _prepare(
-    f, init, xs, length, unroll, recompute, fname
-  )
-  run, _ = _build_scan(body, length, bool(reverse), unroll, recompute)
-  try:
-    final, ys = run(body.consts, init_leaves, xs_leaves)
-  except TypeError as e:
-    if "forward-mode" in str(e):
-      raise ForwardModeError(_FORWARD_MODE_MESSAGE) from e
-    raise
-  return tree_unflatten(body.carry_tree, final), tree_unflatten(body.y_tree, ys)
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import jaxmem
+      >>> def loss(w, xs, h0):
+      ...   def step(h, x):
+      ...     h = jnp.tanh(h @ w + x)
+      ...     return h, h
+      ...   _, ys = jaxmem.scan(step, h0, xs)
+      ...   return jnp.sum(ys**2)
+      >>> w, xs, h0 = jnp.eye(3) * 0.5, jnp.ones((5, 2, 3)), jnp.zeros((2, 3))
+      >>> g = jax.grad(loss)(w, xs, h0)
+      >>> def stock(w, xs, h0):
+      ...   _, ys = jax.lax.scan(lambda h, x: (jnp.tanh(h @ w + x),) * 2, h0, xs)
+      ...   return jnp.sum(ys**2)
+      >>> bool(jnp.allclose(g, jax.grad(stock)(w, xs, h0), rtol=1e-6))
+      True
+    """
+    fname = "jaxmem.scan"
+    body, init_leaves, xs_leaves, _, length, unroll, recompute = _prepare(
+        f, init, xs, length, unroll, recompute, fname
+    )
+    run, _ = _build_scan(body, length, bool(reverse), unroll, recompute)
+    try:
+        final, ys = run(body.consts, init_leaves, xs_leaves)
+    except TypeError as e:
+        if "forward-mode" in str(e):
+            raise ForwardModeError(_FORWARD_MODE_MESSAGE) from e
+        raise
+    return tree_unflatten(body.carry_tree, final), tree_unflatten(body.y_tree, ys)
 
 
 def scanned(fn: Callable | None = None, *, recompute: str = "cheap", **scan_kwargs):
-  """Turns a per-step function ``fn(carry, x)`` into ``g(init, xs, **kw)`` that runs :func:`scan`.
+    """Turns a per-step function ``fn(carry, x)`` into ``g(init, xs, **kw)`` that runs :func:`scan`.
 
-  Usable bare (``@jaxmem.scanned``) or with options (``@jaxmem.scanned(recompute="none")``).
-  Keyword arguments of the call (``length``, ``reverse``, ``unroll``) override the decorator's.
+    Usable bare (``@jaxmem.scanned``) or with options (``@jaxmem.scanned(recompute="none")``).
+    Keyword arguments of the call (``length``, ``reverse``, ``unroll``) override the decorator's.
 
-  Args:
-    fn: the step function ``fn(carry, x) -> (carry, y)``.
-    recompute: as in :func:`scan`.
-    **scan_kwargs: default ``length``/``reverse``/``unroll`` for :func:`scan`.
+    Args:
+      fn: the step function ``fn(carry, x) -> (carry, y)``.
+      recompute: as in :func:`scan`.
+      **scan_kwargs: default ``length``/``reverse``/``unroll`` for :func:`scan`.
 
-  Returns:
-    The scanning function ``g(init, xs=None, **kw) -> (final_carry, ys)`` (or, without ``fn``,
-    a decorator that makes one).
+    Returns:
+      The scanning function ``g(init, xs=None, **kw) -> (final_carry, ys)`` (or, without ``fn``,
+      a decorator that makes one).
 
-  Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxmem
-    >>> @jaxmem.scanned
-    ... def cumsum(c, x):
-    ...   return c + x, c + x
-    >>> cumsum(0.0, jnp.arange(4.0))[1]
-    Array([0., 1., 3., 6.], dtype=float32)
-  """
-  _check_recompute(recompute, "jaxmem.scanned")
-  unknown = set(scan_kwargs) - {"length", "reverse", "unroll"}
-  if unknown:
-    raise TypeError(f"jaxmem.scanned got unexpected keyword arguments: {sorted(unknown)}.")
-  if fn is None:
-    return functools.partial(scanned, recompute=recompute, **scan_kwargs)
-  if not callable(fn):
-    raise TypeError(f"jaxmem.scanned expected a step function, got {_describe(fn)}.")
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import jaxmem
+      >>> @jaxmem.scanned
+      ... def cumsum(c, x):
+      ...   return c + x, c + x
+      >>> cumsum(0.0, jnp.arange(4.0))[1]
+      Array([0., 1., 3., 6.], dtype=float32)
+    """
+    _check_recompute(recompute, "jaxmem.scanned")
+    unknown = set(scan_kwargs) - {"length", "reverse", "unroll"}
+    if unknown:
+        raise TypeError(f"jaxmem.scanned got unexpected keyword arguments: {sorted(unknown)}.")
+    if fn is None:
+        return functools.partial(scanned, recompute=recompute, **scan_kwargs)
+    if not callable(fn):
+        raise TypeError(f"jaxmem.scanned expected a step function, got {_describe(fn)}.")
 
-  @functools.wraps(fn)
-  def run(init, xs=None, **kw):
-    opts = {**scan_kwargs, **kw}
-    return scan(fn, init, xs, recompute=recompute, **opts)
+    @functools.wraps(fn)
+    def run(init, xs=None, **kw):
+        opts = {**scan_kwargs, **kw}
+        return scan(fn, init, xs, recompute=recompute, **opts)
 
-  return run
+    return run
