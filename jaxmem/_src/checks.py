@@ -88,7 +88,7 @@ def check_callable(fn: Any, argname: str, caller: str) -> Callable[..., Any]:
     return fn
 
 
-def is_traceable_leaf(x: Any) -> bool:
+def is_traceable_leaf(x: Any, allow_structs: bool = True) -> bool:
     """Whether a pytree leaf can be an argument of ``jax.jit(...).lower``.
 
     Accepted: ``jax.Array`` (tracers included), ``jax.ShapeDtypeStruct``, numpy arrays and scalars
@@ -100,8 +100,10 @@ def is_traceable_leaf(x: Any) -> bool:
         >>> is_traceable_leaf(jnp.ones(3)), is_traceable_leaf(2.0), is_traceable_leaf("a")
         (True, True, False)
     """
-    if isinstance(x, jax.Array | jax.ShapeDtypeStruct):
+    if isinstance(x, jax.Array):
         return True
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return allow_structs
     if isinstance(x, np.ndarray | np.generic):
         return _is_numeric_dtype(x.dtype)
     if isinstance(x, _PY_SCALARS):
@@ -116,7 +118,7 @@ def _is_numeric_dtype(dtype: Any) -> bool:
         return False
 
 
-def check_traceable(tree: Any, argname: str, caller: str) -> None:
+def check_traceable(tree: Any, argname: str, caller: str, allow_structs: bool = True) -> None:
     """Raise TypeError at the first leaf of ``tree`` that JAX cannot trace.
 
     Args:
@@ -124,6 +126,8 @@ def check_traceable(tree: Any, argname: str, caller: str) -> None:
             leaves).
         argname: the name the path is appended to, e.g. ``"args"``, ``"kwargs"`` or ``"xs"``.
         caller: the public function doing the check, e.g. ``"profile"`` or ``"scan"``.
+        allow_structs: whether ``jax.ShapeDtypeStruct`` placeholders are accepted (they are
+            where a function is only traced, not run).
 
     Raises:
         TypeError: a leaf is not traceable; the message gives its pytree path, its type and a
@@ -140,11 +144,16 @@ def check_traceable(tree: Any, argname: str, caller: str) -> None:
     """
     leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
     for path, leaf in leaves:
-        if not is_traceable_leaf(leaf):
+        if not is_traceable_leaf(leaf, allow_structs):
             what = describe(leaf)
             if isinstance(leaf, np.ndarray | np.generic):
                 what = f"numpy value of dtype {leaf.dtype}"
+            accepted = (
+                "arrays, scalars and jax.ShapeDtypeStruct"
+                if allow_structs
+                else ("arrays and scalars")
+            )
             raise TypeError(
                 f"{caller}: argument {argname}{jax.tree_util.keystr(path)} is a {what}; "
-                "only arrays, scalars and jax.ShapeDtypeStruct can be traced"
+                f"only {accepted} can be traced"
             )

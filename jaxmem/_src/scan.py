@@ -30,6 +30,7 @@ from jax._src import core
 from jax._src.ad_checkpoint import saved_residuals as _saved_residuals
 from jax.tree_util import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
+from jaxmem._src import checks
 from jaxmem._src import residuals as _res
 
 _RECOMPUTE_MODES = ("cheap", "none")
@@ -51,28 +52,10 @@ _FORWARD_MODE_MESSAGE = (
 # Input checks (before any tracing), with path-aware messages.
 
 
-def _describe(leaf) -> str:
-    text = repr(leaf)
-    if len(text) > 40:
-        text = text[:37] + "..."
-    return f"a {type(leaf).__name__} ({text})"
-
-
-def _is_arraylike(leaf) -> bool:
-    return isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)) or (
-        isinstance(leaf, core.Tracer)
-    )
-
-
 def _check_leaves(tree, argname: str, fname: str, allow_structs: bool = False):
-    """Flattens ``tree``, raising a TypeError that names the path of any non-array leaf."""
+    """Flattens ``tree`` after checking that every leaf is an array (named by path if not)."""
+    checks.check_traceable(tree, argname, fname, allow_structs=allow_structs)
     leaves_with_paths, treedef = tree_flatten_with_path(tree)
-    for path, leaf in leaves_with_paths:
-        if not (_is_arraylike(leaf) or (allow_structs and isinstance(leaf, jax.ShapeDtypeStruct))):
-            raise TypeError(
-                f"{fname} got a non-array leaf in {argname}: {argname}{keystr(path)} is "
-                f"{_describe(leaf)}; every leaf must be a JAX or NumPy array or a Python scalar."
-            )
     return [p for p, _ in leaves_with_paths], [x for _, x in leaves_with_paths], treedef
 
 
@@ -165,7 +148,9 @@ def _trace_body(
         x = tree_unflatten(xs_tree, x_leaves)
         out = f(carry, x)
         if not (isinstance(out, tuple) and len(out) == 2):
-            raise TypeError(f"{fname} body must return a pair (carry, y), got {_describe(out)}.")
+            raise TypeError(
+                f"{fname} body must return a pair (carry, y), got {checks.describe(out)}."
+            )
         new_carry, y = out
         new_leaves, new_tree = tree_flatten(new_carry)
         y_paths, y_leaves, y_tree = _check_leaves(y, "y", f"{fname} body output")
@@ -201,8 +186,7 @@ def _trace_body(
 
 def _prepare(f, init, xs, length, unroll, recompute, fname, diff_consts=False):
     """Checks the arguments and traces the body (promoting weak-typed init leaves once)."""
-    if not callable(f):
-        raise TypeError(f"{fname} expected a callable body f(carry, x), got {_describe(f)}.")
+    checks.check_callable(f, "the body f(carry, x)", fname)
     recompute = _check_recompute(recompute, fname)
     unroll = _check_unroll(unroll, fname)
     init_paths, init_leaves, init_tree = _check_leaves(init, "init", fname)
@@ -501,8 +485,7 @@ def scan_residuals(f: Callable, init: Any, xs: Any = None, length: int | None = 
             f"jaxmem.scan_residuals got unexpected keyword arguments: {sorted(unknown)}."
         )
     fname = "jaxmem.scan_residuals"
-    if not callable(f):
-        raise TypeError(f"{fname} expected a callable body f(carry, x), got {_describe(f)}.")
+    checks.check_callable(f, "the body f(carry, x)", fname)
     for argname, tree in (("init", init), ("xs", xs)):
         _check_leaves(tree, argname, fname, allow_structs=True)
     plans = []
@@ -633,8 +616,7 @@ def scanned(fn: Callable | None = None, *, recompute: str = "cheap", **scan_kwar
         raise TypeError(f"jaxmem.scanned got unexpected keyword arguments: {sorted(unknown)}.")
     if fn is None:
         return functools.partial(scanned, recompute=recompute, **scan_kwargs)
-    if not callable(fn):
-        raise TypeError(f"jaxmem.scanned expected a step function, got {_describe(fn)}.")
+    checks.check_callable(fn, "the step fn(carry, x)", "jaxmem.scanned")
 
     @functools.wraps(fn)
     def run(init, xs=None, **kw):
