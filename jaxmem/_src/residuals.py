@@ -156,6 +156,18 @@ class StepAnalysis:
         return self.jaxpr.outvars[self.n_carry + self.n_y :]
 
 
+def iter_eqns(jaxpr):
+    """Yields the equations of ``jaxpr`` and, recursively, of the jaxprs in their parameters."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                if isinstance(sub, core.ClosedJaxpr):
+                    yield from iter_eqns(sub.jaxpr)
+                elif isinstance(sub, core.Jaxpr):
+                    yield from iter_eqns(sub)
+
+
 def eval_eqns(eqns, env: dict) -> None:
     """Evaluates ``eqns`` in order, reading and writing ``env`` (as :func:`jax.core.eval_jaxpr`)."""
 

@@ -243,7 +243,88 @@ def _read(env, v):
     return env[v]
 
 
-def _build_scan(body: _Body, length: int, reverse: bool, unroll, recompute: str):
+_OFFLOAD_MODES = ("residuals", "carries", "all")
+
+
+def _check_offload(offload, fname: str):
+    """Normalises ``offload`` to None, one of _OFFLOAD_MODES, or a frozenset of names."""
+    if offload is None or offload in _OFFLOAD_MODES:
+        return offload
+    if isinstance(offload, str):
+        raise ValueError(
+            f"{fname} got offload={offload!r}; expected None, one of "
+            f"{', '.join(map(repr, _OFFLOAD_MODES))}, or a tuple of checkpoint names "
+            "(jaxmem.name / jax.ad_checkpoint.checkpoint_name)."
+        )
+    try:
+        names = frozenset(offload)
+    except TypeError:
+        names = None
+    if not names or not all(isinstance(n, str) for n in names):
+        raise ValueError(
+            f"{fname} got offload={offload!r}; expected None, one of "
+            f"{', '.join(map(repr, _OFFLOAD_MODES))}, or a non-empty tuple of checkpoint names."
+        )
+    return names
+
+
+def _check_policy(policy, fname: str):
+    if policy is not None and not callable(policy):
+        raise TypeError(
+            f"{fname} got policy={checks.describe(policy)}; expected None or a remat policy (a "
+            "jaxmem.policies policy or one of jax.checkpoint_policies)."
+        )
+    return policy
+
+
+def _apply_policy(f, policy, fname: str):
+    """The step under ``jax.checkpoint(policy=...)`` (as each step of a rematerialized scan)."""
+    if _check_policy(policy, fname) is None:
+        return f
+    checks.check_callable(f, "the body f(carry, x)", fname)
+    return jax.checkpoint(f, policy=policy, prevent_cse=False)
+
+
+def _to_host(x):
+    return jax.device_put(x, jax.memory.Space.Host)
+
+
+def _to_device(x):
+    return jax.device_put(x, jax.memory.Space.Device)
+
+
+def _offload_masks(plan, offload, fname: str):
+    """Which stacked values and which kept carry sequences live in host memory."""
+    n_kept = sum(plan.stack_carry)
+    if offload is None:
+        return [False] * len(plan.stacked_vars), [False] * n_kept
+    if offload == "residuals":
+        return [True] * len(plan.stacked_vars), [False] * n_kept
+    if offload == "carries":
+        return [False] * len(plan.stacked_vars), [True] * n_kept
+    if offload == "all":
+        return [True] * len(plan.stacked_vars), [True] * n_kept
+    # Names: a value is named n when it is the input or the output of checkpoint_name(., n).
+    named: dict = {}
+    found = set()
+    for eqn in _res.iter_eqns(plan.jaxpr):
+        if eqn.primitive.name == "name":
+            found.add(eqn.params["name"])
+            for v in (*eqn.invars, *eqn.outvars):
+                named.setdefault(v, set()).add(eqn.params["name"])
+    missing = sorted(offload - found)
+    if missing:
+        raise ValueError(
+            f"{fname} got offload names {missing} that name no value of the step; the step's "
+            f"names are {sorted(found)}. Name values with jaxmem.name(x, name)."
+        )
+    mask = [bool(named.get(v, set()) & offload) for v in plan.stacked_vars]
+    return mask, [False] * n_kept
+
+
+def _build_scan(
+    body: _Body, length: int, reverse: bool, unroll, recompute: str, offload=None, fname=""
+):
     n_carry = body.n_carry
 
     def plain(consts, init, xs):
@@ -272,12 +353,14 @@ def _build_scan(body: _Body, length: int, reverse: bool, unroll, recompute: str)
             recompute,
         )
         plan_cache.append(plan)
+        plan_cache.append(_offload_masks(plan, offload, fname))
         for collector in _PLAN_COLLECTORS:
             collector.append(_res.summarize(plan, length, _stock_stacked_bytes(body, plan, length)))
         return plan
 
     def run_fwd(consts, init, xs):
         plan = analyze(consts, init, xs)
+        off_stacked, off_carry = plan_cache[1]
         jaxpr = plan.jaxpr
         base_env = dict(zip(jaxpr.constvars, plan.jaxpr_consts, strict=True))
         base_env.update(zip(plan.const_invars, consts, strict=True))
@@ -299,8 +382,14 @@ def _build_scan(body: _Body, length: int, reverse: bool, unroll, recompute: str)
             _res.eval_eqns(fwd_eqns, env)
             c_out = [_read(env, v) for v in plan.carry_outvars]
             y = [_read(env, v) for v in plan.y_outvars]
-            stacked = [env[v] for v in plan.stacked_vars]
+            stacked = [
+                _to_host(env[v]) if off else env[v]
+                for v, off in zip(plan.stacked_vars, off_stacked, strict=True)
+            ]
             carry_seq = [c for c, keep in zip(carry, plan.stack_carry, strict=True) if keep]
+            carry_seq = [
+                _to_host(c) if off else c for c, off in zip(carry_seq, off_carry, strict=True)
+            ]
             return c_out, (y, stacked, carry_seq)
 
         final, (ys, stacked, carry_seq) = jax.lax.scan(
@@ -317,7 +406,7 @@ def _build_scan(body: _Body, length: int, reverse: bool, unroll, recompute: str)
         return (final, ys), res
 
     def run_bwd(saved, cts):
-        plan = plan_cache[0]
+        plan, (off_stacked, off_carry) = plan_cache
         consts, hoisted, xs, ys_needed, stacked, carry_seq, final_kept, init_from_y = saved
         ct_final, ct_ys = cts
         jaxpr = plan.jaxpr
@@ -356,6 +445,10 @@ def _build_scan(body: _Body, length: int, reverse: bool, unroll, recompute: str)
         def step(bcarry, inp):
             ct_carry, ct_consts, c_out = bcarry
             t, x, y_needed, stacked_t, c_in, ct_y = inp
+            stacked_t = [
+                _to_device(v) if off else v for v, off in zip(stacked_t, off_stacked, strict=True)
+            ]
+            c_in = [_to_device(c) if off else c for c, off in zip(c_in, off_carry, strict=True)]
             env = dict(zip(jaxpr.constvars, plan.jaxpr_consts, strict=True))
             env.update(zip(plan.const_invars, consts, strict=True))
             env.update(zip(plan.hoisted_vars, hoisted, strict=True))
@@ -479,7 +572,7 @@ def scan_residuals(f: Callable, init: Any, xs: Any = None, length: int | None = 
       >>> plan.stacked_bytes, plan.stock_stacked_bytes  # ys (16 x 4 x 8 x 4 B) vs 3 stacks
       (2048, 6144)
     """
-    unknown = set(kwargs) - {"reverse", "unroll", "recompute"}
+    unknown = set(kwargs) - {"reverse", "unroll", "recompute", "policy", "offload"}
     if unknown:
         raise TypeError(
             f"jaxmem.scan_residuals got unexpected keyword arguments: {sorted(unknown)}."
@@ -489,6 +582,8 @@ def scan_residuals(f: Callable, init: Any, xs: Any = None, length: int | None = 
     for argname, tree in (("init", init), ("xs", xs)):
         _check_leaves(tree, argname, fname, allow_structs=True)
     plans = []
+    f = _apply_policy(f, kwargs.get("policy"), fname)
+    offload = _check_offload(kwargs.get("offload"), fname)
 
     def trace(init, xs):
         body, init_leaves, xs_leaves, _, n, unroll, recompute = _prepare(
@@ -501,7 +596,9 @@ def scan_residuals(f: Callable, init: Any, xs: Any = None, length: int | None = 
             fname,
             diff_consts=True,
         )
-        _, analyze = _build_scan(body, n, bool(kwargs.get("reverse", False)), unroll, recompute)
+        _, analyze = _build_scan(
+            body, n, bool(kwargs.get("reverse", False)), unroll, recompute, offload, fname
+        )
         plan = analyze(body.consts, init_leaves, xs_leaves)
         plans.append(_res.summarize(plan, n, _stock_stacked_bytes(body, plan, n)))
 
@@ -518,6 +615,8 @@ def scan(
     unroll: int | bool = 1,
     *,
     recompute: str = "cheap",
+    policy: Callable | None = None,
+    offload: str | tuple[str, ...] | None = None,
 ):
     """Scans ``f`` over the leading axis of ``xs``, like :func:`jax.lax.scan`, with a lean VJP.
 
@@ -538,6 +637,15 @@ def scan(
       recompute: ``"cheap"`` (default) recomputes residuals that are cheap functions
         (elementwise, convert, transpose, reshape, broadcast, slice, select, compare) of values
         available in the backward step; ``"none"`` stacks them.
+      policy: a remat policy applied to each step, as ``jax.checkpoint(f, policy=policy)``
+        (a :mod:`jaxmem.policies` policy or one of ``jax.checkpoint_policies``); the residuals it
+        saves are then deduplicated as without a policy.
+      offload: keep stacked values in host memory (``pinned_host``) between the forward and the
+        backward pass, each step's slice brought back in the backward loop: ``"residuals"`` (the
+        partial activations), ``"carries"`` (the kept carry sequence), ``"all"``, or a tuple of
+        checkpoint names (:func:`jaxmem.name`) selecting partial activations. On CPU this is the
+        identity (results are bit-identical); on GPU/TPU the lowered loop carries host-placement
+        annotations.
 
     Returns:
       ``(final_carry, stacked_ys)``, as :func:`jax.lax.scan`.
@@ -573,10 +681,12 @@ def scan(
       True
     """
     fname = "jaxmem.scan"
+    f = _apply_policy(f, policy, fname)
+    offload = _check_offload(offload, fname)
     body, init_leaves, xs_leaves, _, length, unroll, recompute = _prepare(
         f, init, xs, length, unroll, recompute, fname
     )
-    run, _ = _build_scan(body, length, bool(reverse), unroll, recompute)
+    run, _ = _build_scan(body, length, bool(reverse), unroll, recompute, offload, fname)
     try:
         final, ys = run(body.consts, init_leaves, xs_leaves)
     except TypeError as e:
@@ -611,7 +721,7 @@ def scanned(fn: Callable | None = None, *, recompute: str = "cheap", **scan_kwar
       Array([0., 1., 3., 6.], dtype=float32)
     """
     _check_recompute(recompute, "jaxmem.scanned")
-    unknown = set(scan_kwargs) - {"length", "reverse", "unroll"}
+    unknown = set(scan_kwargs) - {"length", "reverse", "unroll", "policy", "offload"}
     if unknown:
         raise TypeError(f"jaxmem.scanned got unexpected keyword arguments: {sorted(unknown)}.")
     if fn is None:
