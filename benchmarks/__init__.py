@@ -1,0 +1,1 @@
+"""Benchmarks of jaxmem against stock JAX: ``python -m benchmarks.run --help``."""

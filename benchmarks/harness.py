@@ -1,0 +1,357 @@
+"""Measures benchmark cases: compiled temp bytes, residual bytes and step time, stock vs variants.
+
+What is measured follows DESIGN.md section 3:
+
+- temp bytes: ``memory_analysis().temp_size_in_bytes`` of ``jax.jit(jax.grad(loss, argnums=all))``
+  (via :func:`jaxmem.profile` on the gradient function), compiled on abstract arguments;
+- residual bytes: the total of the saved-residual listing of the loss
+  (:attr:`jaxmem.MemoryReport.residual_bytes`), split by origin so that the residuals that are
+  simply the arguments can be told apart from the ones the loop stacks;
+- time (optional): forward + backward of the jitted gradient on concrete arguments, same process,
+  warm (compiled and run once first), runs interleaved stock / variant / stock / variant ...,
+  min and median of ``repeats`` runs.
+
+Every variant figure is also given as a ratio to the stock figure of the same run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import platform
+import statistics
+import time
+import traceback
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxmem
+from benchmarks.cases import Case, ScanImpl
+
+STOCK = "stock"
+"""Label of the reference column, ``make_loss(jax.lax.scan)``."""
+
+MIN_REPEATS = 7
+"""Fewest timed repeats per column (DESIGN.md section 3)."""
+
+
+@dataclasses.dataclass
+class Column:
+    """The figures of one case under one scan implementation.
+
+    Attributes:
+      label: ``"stock"`` or a variant's label.
+      temp_bytes: Compiled temp bytes of the jitted gradient.
+      argument_bytes: Compiled argument bytes of the jitted gradient.
+      output_bytes: Compiled output bytes of the jitted gradient.
+      peak_bytes: Peak bytes of the jitted gradient, where the backend reports one.
+      residual_bytes: Total bytes of the loss's saved-residual listing.
+      residual_bytes_by_origin: The same total split by origin (argument, loop-stacked, ...).
+      time_min_s: Fastest timed step, seconds (None unless timed).
+      time_median_s: Median timed step, seconds (None unless timed).
+      grad_rel_err: For a timed variant, max |g - g_stock| / max |g_stock| over all gradients.
+      error: The exception text where measuring this column failed, else None.
+    """
+
+    label: str
+    temp_bytes: int | None = None
+    argument_bytes: int | None = None
+    output_bytes: int | None = None
+    peak_bytes: int | None = None
+    residual_bytes: int | None = None
+    residual_bytes_by_origin: dict[str, int] = dataclasses.field(default_factory=dict)
+    time_min_s: float | None = None
+    time_median_s: float | None = None
+    grad_rel_err: float | None = None
+    error: str | None = None
+
+    @property
+    def residual_bytes_non_argument(self) -> int | None:
+        """Residual bytes that are not simply (slices of) the loss's arguments."""
+        if self.residual_bytes is None:
+            return None
+        return self.residual_bytes - self.residual_bytes_by_origin.get("argument", 0)
+
+
+@dataclasses.dataclass
+class CaseResult:
+    """All columns of one case; ``columns[STOCK]`` is the reference."""
+
+    name: str
+    description: str
+    columns: dict[str, Column]
+
+    def ratio(self, label: str, field: str) -> float | None:
+        """Returns ``columns[label].<field> / columns[STOCK].<field>``, or None if unavailable."""
+        num = getattr(self.columns[label], field)
+        den = getattr(self.columns[STOCK], field)
+        if num is None or den is None or den == 0:
+            return None
+        return num / den
+
+
+def grad_fn(case: Case, scan_impl: ScanImpl):
+    """Returns ``jax.grad`` of the case's loss under ``scan_impl`` w.r.t. every argument."""
+    return jax.grad(case.make_loss(scan_impl), argnums=case.argnums())
+
+
+def measure_memory(case: Case, label: str, scan_impl: ScanImpl) -> Column:
+    """Measures the compile-time memory figures of one case under one scan implementation.
+
+    Args:
+      case: The benchmark case.
+      label: Column label.
+      scan_impl: Scan implementation with the signature of ``jax.lax.scan``.
+
+    Returns:
+      The column; on failure its ``error`` holds the exception and the figures stay None.
+    """
+    col = Column(label)
+    args = case.abstract_args()
+    try:
+        grad_report = jaxmem.profile(grad_fn(case, scan_impl), *args)
+        loss_report = jaxmem.profile(case.make_loss(scan_impl), *args)
+    except Exception as e:  # noqa: BLE001 - a failing variant is reported, not fatal.
+        col.error = _error_text(e)
+        return col
+    col.temp_bytes = grad_report.temp_bytes
+    col.argument_bytes = grad_report.argument_bytes
+    col.output_bytes = grad_report.output_bytes
+    col.peak_bytes = grad_report.peak_bytes
+    col.residual_bytes = loss_report.residual_bytes
+    col.residual_bytes_by_origin = dict(loss_report.residual_bytes_by_origin or {})
+    return col
+
+
+def measure_times(
+    case: Case, impls: Mapping[str, ScanImpl], repeats: int
+) -> dict[str, tuple[float, float, Any]]:
+    """Times the jitted gradient of a case under several scan implementations, interleaved.
+
+    Args:
+      case: The benchmark case.
+      impls: Label -> scan implementation; all are timed in the same process.
+      repeats: Timed runs per implementation, interleaved A B A B ...
+
+    Returns:
+      Label -> (min seconds, median seconds, gradients of the warm-up run).
+    """
+    args = case.make_args()
+    compiled, grads = {}, {}
+    for label, impl in impls.items():
+        compiled[label] = jax.jit(grad_fn(case, impl)).lower(*args).compile()
+        grads[label] = jax.block_until_ready(compiled[label](*args))  # warm-up
+    samples: dict[str, list[float]] = {label: [] for label in impls}
+    for _ in range(repeats):
+        for label, fn in compiled.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            samples[label].append(time.perf_counter() - start)
+    return {label: (min(ts), statistics.median(ts), grads[label]) for label, ts in samples.items()}
+
+
+def _rel_err(grads: Any, reference: Any) -> float:
+    """Returns max |grads - reference| / max |reference| over all leaves."""
+    diff = jax.tree.map(lambda a, b: jnp.max(jnp.abs(a - b)), grads, reference)
+    scale = jax.tree.map(lambda b: jnp.max(jnp.abs(b)), reference)
+    den = max(float(s) for s in jax.tree.leaves(scale))
+    return max(float(d) for d in jax.tree.leaves(diff)) / (den or 1.0)
+
+
+def _error_text(e: BaseException) -> str:
+    return "".join(traceback.format_exception_only(type(e), e)).strip()
+
+
+def run_case(
+    case: Case,
+    variants: Mapping[str, ScanImpl],
+    *,
+    timed: bool = False,
+    repeats: int = MIN_REPEATS,
+) -> CaseResult:
+    """Measures one case: the stock column, then one column per variant.
+
+    Args:
+      case: The benchmark case.
+      variants: Label -> scan implementation; ``"stock"`` is reserved.
+      timed: Whether to time the jitted gradients too.
+      repeats: Timed runs per column.
+
+    Returns:
+      The case's result.
+
+    Raises:
+      ValueError: If a variant is labelled ``"stock"``.
+    """
+    if STOCK in variants:
+        raise ValueError(f"variant label {STOCK!r} is reserved for jax.lax.scan; rename it.")
+    impls = {STOCK: jax.lax.scan, **variants}
+    result = CaseResult(case.name, case.description, {})
+    for label, impl in impls.items():
+        result.columns[label] = measure_memory(case, label, impl)
+    if timed:
+        ok = {label: impls[label] for label, col in result.columns.items() if col.error is None}
+        if STOCK in ok:
+            try:
+                times = measure_times(case, ok, repeats)
+            except Exception as e:  # noqa: BLE001
+                for label in ok:
+                    result.columns[label].error = _error_text(e)
+            else:
+                for label, (t_min, t_med, grads) in times.items():
+                    col = result.columns[label]
+                    col.time_min_s, col.time_median_s = t_min, t_med
+                    if label != STOCK:
+                        col.grad_rel_err = _rel_err(grads, times[STOCK][2])
+    return result
+
+
+def run(
+    cases: Sequence[Case],
+    variants: Mapping[str, ScanImpl],
+    *,
+    timed: bool = False,
+    repeats: int = MIN_REPEATS,
+) -> list[CaseResult]:
+    """Measures every case (see :func:`run_case`)."""
+    return [run_case(c, variants, timed=timed, repeats=repeats) for c in cases]
+
+
+# ----------------------------------------------------------------------------------------------
+# Output.
+
+
+def environment() -> dict[str, Any]:
+    """Returns the run's context: versions, backend, device, date."""
+    device = jax.devices()[0]
+    return {
+        "jax_version": jax.__version__,
+        "jaxlib_version": jax.lib.__version__ if hasattr(jax.lib, "__version__") else None,
+        "jaxmem_version": getattr(jaxmem, "__version__", None),
+        "backend": jax.default_backend(),
+        "device_kind": device.device_kind,
+        "device_count": jax.device_count(),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def to_dict(
+    results: Sequence[CaseResult], *, timed: bool, repeats: int | None = None
+) -> dict[str, Any]:
+    """Returns every figure of a run, JSON-ready, with the run's environment."""
+    out: dict[str, Any] = {**environment(), "timed": timed, "repeats": repeats if timed else None}
+    out["cases"] = {}
+    for r in results:
+        columns = {}
+        for label, col in r.columns.items():
+            d = dataclasses.asdict(col)
+            d["residual_bytes_non_argument"] = col.residual_bytes_non_argument
+            if label != STOCK:
+                d["ratios"] = {
+                    f: r.ratio(label, f)
+                    for f in (
+                        "temp_bytes",
+                        "residual_bytes",
+                        "residual_bytes_non_argument",
+                        "time_min_s",
+                        "time_median_s",
+                    )
+                }
+            columns[label] = d
+        out["cases"][r.name] = {"description": r.description, "columns": columns}
+    return out
+
+
+def _mb(n: int | None) -> str:
+    return "-" if n is None else f"{n / 1e6:.1f} MB"
+
+
+def _x(r: float | None) -> str:
+    return "-" if r is None else f"x{r:.2f}"
+
+
+def format_table(results: Sequence[CaseResult], *, timed: bool) -> str:
+    """Returns one plain-text table: a row per case, the stock group then one group per variant.
+
+    Bytes are in MB (1e6 bytes); ``xR`` is the ratio to the stock figure of the same run.
+    ``temp``: compiled temp bytes of the jitted gradient. ``resid``: total of the loss's
+    saved-residual listing. ``w/o args``: the same without residuals that are the loss's own
+    arguments (alive anyway; DESIGN.md section 1 counts the rest). ``time``: step time of the
+    jitted gradient, min over repeats for stock; min and median ratios for variants.
+    """
+    labels = list(results[0].columns) if results else [STOCK]
+    groups = [("", ["case"]), (STOCK, ["temp", "resid", "w/o args"] + (["time"] if timed else []))]
+    variant_cols = ["temp", "x", "resid", "x", "w/o args", "x"]
+    if timed:
+        variant_cols += ["time min", "med"]
+    groups += [(label, variant_cols) for label in labels[1:]]
+    header = [name for _, names in groups for name in names]
+    rows = []
+    errors = []
+    for r in results:
+        s = r.columns[STOCK]
+        row = [
+            r.name,
+            _mb(s.temp_bytes),
+            _mb(s.residual_bytes),
+            _mb(s.residual_bytes_non_argument),
+        ]
+        if timed:
+            row.append("-" if s.time_min_s is None else f"{s.time_min_s * 1e3:.2f} ms")
+        for label in labels[1:]:
+            c = r.columns[label]
+            row += [
+                _mb(c.temp_bytes),
+                _x(r.ratio(label, "temp_bytes")),
+                _mb(c.residual_bytes),
+                _x(r.ratio(label, "residual_bytes")),
+                _mb(c.residual_bytes_non_argument),
+                _x(r.ratio(label, "residual_bytes_non_argument")),
+            ]
+            if timed:
+                row += [_x(r.ratio(label, "time_min_s")), _x(r.ratio(label, "time_median_s"))]
+        rows.append(row)
+        errors += [f"{r.name} / {c.label}: {c.error}" for c in r.columns.values() if c.error]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    # Widen the last column of a group whose label is wider than its columns.
+    start = 0
+    for label, names in groups:
+        span = slice(start, start + len(names))
+        missing = len(label) - (sum(widths[span]) + 2 * (len(names) - 1))
+        if missing > 0:
+            widths[span.stop - 1] += missing
+        start = span.stop
+
+    def line(cells: list[str]) -> str:
+        out = [cells[0].ljust(widths[0])]
+        out += [c.rjust(w) for c, w in zip(cells[1:], widths[1:], strict=True)]
+        return "  ".join(out).rstrip()
+
+    group_cells, start = [], 0
+    for label, names in groups:
+        span_width = sum(widths[start : start + len(names)]) + 2 * (len(names) - 1)
+        group_cells.append(label.center(span_width, "-") if label else " " * span_width)
+        start += len(names)
+    lines = ["  ".join(group_cells).rstrip(), line(header), "  ".join("-" * w for w in widths)]
+    lines += [line(row) for row in rows]
+    if errors:
+        lines += ["", "errors:"] + [f"  {e}" for e in errors]
+    return "\n".join(lines)
+
+
+def has_errors(results: Sequence[CaseResult]) -> bool:
+    """Returns whether any column of any case failed to measure."""
+    return any(c.error for r in results for c in r.columns.values())
+
+
+def json_default(x: Any) -> Any:
+    """JSON fallback for numpy scalars."""
+    if isinstance(x, np.generic):
+        return x.item()
+    raise TypeError(f"not JSON serializable: {type(x).__name__}")

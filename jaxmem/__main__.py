@@ -1,0 +1,52 @@
+"""Command line of jaxmem: ``python -m jaxmem demo [options]``.
+
+Subcommands:
+  demo  Memory of a small GPT's training-step gradient under remat and scan configurations:
+        prints a comparison table and saves a bar chart (``python -m jaxmem demo --help``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Returns the parser of ``python -m jaxmem``."""
+    from jaxmem._src import demo
+
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxmem",
+        description="jaxmem: make JAX training fit in less accelerator memory.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    demo_parser = sub.add_parser(
+        "demo",
+        help="memory of a small GPT's training-step gradient: no remat vs checkpoint policies "
+        "vs jaxmem.scan; prints a table and saves a bar chart",
+        description=demo.DESCRIPTION,
+    )
+    demo.add_arguments(demo_parser)
+    demo_parser.set_defaults(run=demo.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs ``python -m jaxmem`` with ``argv`` (default ``sys.argv[1:]``); returns the status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from jaxmem._src import demo
+
+        try:
+            demo.config_from_args(args)
+        except ValueError as e:
+            parser.error(str(e))
+        if args.batch < 1:
+            parser.error(f"--batch must be a positive int, got {args.batch}")
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

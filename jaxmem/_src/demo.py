@@ -1,0 +1,204 @@
+"""``python -m jaxmem demo``: memory of a GPT training step's gradient under several configurations.
+
+The same small GPT (:mod:`jaxmem._src.models`) is differentiated with its layer stack run by
+``jax.lax.scan`` with no remat, with ``jax.checkpoint`` under the ``nothing_saveable`` and
+``dots_saveable`` policies, and, where this install has it, by ``jaxmem.scan``. For each
+configuration the demo compiles ``jax.jit(jax.grad(loss))`` and lists the residuals the gradient
+saves (both from shapes alone: parameters and tokens are ``jax.ShapeDtypeStruct``), prints one
+table with ratios to the first configuration, and saves a bar chart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+
+import jaxmem
+from jaxmem._src import models
+
+DEFAULT_OUTPUT = "demo_memory.png"
+
+DESCRIPTION = (
+    "Memory of a small GPT's training-step gradient (jax.grad of next-token cross-entropy) with "
+    "its layer stack run by jax.lax.scan with no remat, with jax.checkpoint under the "
+    "nothing_saveable and dots_saveable policies, and by jaxmem.scan where available. Prints "
+    "the compiled temp bytes of jax.jit(jax.grad(loss)) and the bytes of the residuals the "
+    "gradient saves, with ratios to the first configuration, and saves a bar chart. Everything "
+    "is compiled from shapes alone (nothing is run)."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Configuration:
+    """How the layer stack is run and differentiated.
+
+    Attributes:
+      scan_impl: Signature of :func:`jax.lax.scan`.
+      policy: Remat policy on each block step; None for no remat.
+    """
+
+    scan_impl: models.ScanImpl
+    policy: models.Policy | None = None
+
+
+def configurations() -> dict[str, Configuration]:
+    """Returns the configurations this install offers, label -> configuration, baseline first."""
+    policies = jax.checkpoint_policies
+    out = {
+        "no remat": Configuration(jax.lax.scan),
+        "checkpoint nothing_saveable": Configuration(jax.lax.scan, policies.nothing_saveable),
+        "checkpoint dots_saveable": Configuration(jax.lax.scan, policies.dots_saveable),
+    }
+    lean_scan = getattr(jaxmem, "scan", None)
+    if lean_scan is not None:
+        out["jaxmem.scan"] = Configuration(lean_scan)
+        out["jaxmem.scan + dots_saveable"] = Configuration(lean_scan, policies.dots_saveable)
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the demo's options (model size, batch, output path) to ``parser``."""
+    d = models.GPTConfig()
+    size = parser.add_argument_group("model size")
+    size.add_argument(
+        "--layers", type=int, default=d.num_layers, help="transformer blocks (default: %(default)s)"
+    )
+    size.add_argument(
+        "--d-model",
+        type=int,
+        default=d.d_model,
+        help="residual stream width (default: %(default)s)",
+    )
+    size.add_argument(
+        "--heads", type=int, default=d.num_heads, help="attention heads (default: %(default)s)"
+    )
+    size.add_argument(
+        "--d-ff", type=int, default=d.d_ff, help="MLP hidden width (default: %(default)s)"
+    )
+    size.add_argument(
+        "--vocab", type=int, default=d.vocab_size, help="vocabulary size (default: %(default)s)"
+    )
+    size.add_argument(
+        "--seq", type=int, default=d.seq_len, help="tokens per sequence (default: %(default)s)"
+    )
+    size.add_argument(
+        "--batch", type=int, default=8, help="sequences per training step (default: %(default)s)"
+    )
+    size.add_argument(
+        "--untied", action="store_true", help="separate output projection (default: tied)"
+    )
+    parser.add_argument(
+        "-o",
+        "--output",
+        default=DEFAULT_OUTPUT,
+        metavar="PATH",
+        help=f"where to save the bar chart (default: {DEFAULT_OUTPUT})",
+    )
+    parser.add_argument(
+        "--full-optimization",
+        action="store_true",
+        help="compile with XLA's full backend optimization (slower; same memory figures)",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> models.GPTConfig:
+    """Returns the model configuration the parsed options describe."""
+    return models.GPTConfig(
+        vocab_size=args.vocab,
+        seq_len=args.seq,
+        num_layers=args.layers,
+        d_model=args.d_model,
+        num_heads=args.heads,
+        d_ff=args.d_ff,
+        tie_embeddings=not args.untied,
+    )
+
+
+# Nothing is run, only compiled for its memory analysis; buffer assignment happens before LLVM,
+# so its optimization level changes compile time (about halved), never the memory figures.
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+def measure(
+    config: models.GPTConfig,
+    batch_size: int,
+    configs: dict[str, Configuration],
+    *,
+    fast_compile: bool = True,
+) -> jaxmem.Comparison:
+    """Profiles the training step's gradient of ``config`` under each configuration.
+
+    Args:
+      config: Model sizes.
+      batch_size: Sequences per step.
+      configs: Label -> configuration; the first is the baseline of every ratio.
+      fast_compile: Compile with XLA's backend (LLVM) optimization level 0; the memory
+        figures are the same, the compile is faster.
+
+    Returns:
+      A comparison whose reports hold the compiled figures of ``jax.jit(jax.grad(loss))`` and
+      the saved-residual listing of ``loss`` (what that gradient keeps between its passes).
+    """
+    params = models.abstract_params(config, batch_size)
+    tokens = jax.ShapeDtypeStruct((batch_size, config.seq_len), jnp.int32)
+    jit = functools.partial(jax.jit, compiler_options=FAST_COMPILE if fast_compile else None)
+    losses = {
+        label: models.next_token_loss(models.GPT(config, c.scan_impl, c.policy))
+        for label, c in configs.items()
+    }
+    grads = jaxmem.compare({k: jit(jax.grad(f)) for k, f in losses.items()}, params, tokens)
+    residuals = jaxmem.compare({k: jit(f) for k, f in losses.items()}, params, tokens)
+    return jaxmem.Comparison(
+        {
+            label: dataclasses.replace(report, residuals=residuals.reports[label].residuals)
+            for label, report in grads.reports.items()
+        }
+    )
+
+
+def _param_count(config: models.GPTConfig) -> int:
+    return sum(math.prod(p.shape) for p in jax.tree.leaves(models.abstract_params(config)))
+
+
+def _summary(comparison: jaxmem.Comparison) -> str:
+    base = comparison.baseline
+    lines = [f"summary (ratios to {base!r}):"]
+    for label in list(comparison.reports)[1:]:
+        temp = comparison.ratio(label, "temp_bytes")
+        res = comparison.ratio(label, "residual_bytes")
+        lines.append(f"  {label}: temp x{temp:.2f}, residual x{res:.2f}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs the demo for parsed options; prints the table, saves the chart, returns 0."""
+    start = time.perf_counter()
+    config = config_from_args(args)
+    configs = configurations()
+    print(
+        f"GPT: {config.num_layers} layers, d_model {config.d_model}, {config.num_heads} heads, "
+        f"d_ff {config.d_ff}, vocab {config.vocab_size}, "
+        f"{'tied' if config.tie_embeddings else 'untied'} output projection; "
+        f"{_param_count(config):,} parameters"
+    )
+    print(
+        f"training step: jax.grad of next-token cross-entropy, batch {args.batch} x seq "
+        f"{config.seq_len} tokens; jax {jax.__version__} on {jax.default_backend()}"
+    )
+    print(
+        "temp = compiled temp bytes of jax.jit(jax.grad(loss)); residual = bytes the gradient "
+        "saves between its forward and backward pass\n"
+    )
+    comparison = measure(config, args.batch, configs, fast_compile=not args.full_optimization)
+    print(comparison)
+    if len(comparison.reports) > 1:
+        print(_summary(comparison))
+    path = comparison.plot(args.output)
+    print(f"\nwrote {path} ({time.perf_counter() - start:.1f} s)")
+    return 0

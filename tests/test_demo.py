@@ -1,0 +1,87 @@
+"""Tests of ``python -m jaxmem demo`` and the GPT model it profiles."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxmem import __main__ as cli
+from jaxmem._src import demo, models
+
+TINY = ["--layers", "2", "--d-model", "32", "--heads", "2", "--d-ff", "64", "--vocab", "128"]
+TINY += ["--seq", "16", "--batch", "2"]
+
+
+def test_demo_prints_every_configuration_and_writes_a_png(tmp_path, capsys):
+    out = tmp_path / "memory.png"
+    assert cli.main(["demo", *TINY, "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    for label in demo.configurations():
+        assert label in printed
+    assert "temp" in printed and "residual" in printed
+    data = out.read_bytes()
+    assert data.startswith(b"\x89PNG") and len(data) > 1000
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"]])
+def test_help(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 0
+    printed = capsys.readouterr().out
+    assert "demo" in printed
+    if argv[0] == "demo":
+        for option in ("--layers", "--d-model", "--heads", "--d-ff", "--vocab", "--seq"):
+            assert option in printed
+        assert "--batch" in printed and "demo_memory.png" in printed
+
+
+def test_bad_sizes_say_how_to_fix(capsys):
+    with pytest.raises(ValueError, match="num_heads=3 must divide d_model=32"):
+        models.GPTConfig(d_model=32, num_heads=3)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["demo", "--d-model", "32", "--heads", "3"])
+    assert exit_info.value.code == 2
+    assert "num_heads=3 must divide d_model=32" in capsys.readouterr().err
+
+
+def test_configurations_compute_the_same_loss_and_gradient():
+    # Scan implementation and remat policy change memory, never values: check against no remat.
+    cfg = models.GPTConfig(vocab_size=64, seq_len=8, num_layers=2, d_model=16, num_heads=2, d_ff=32)
+    rng = np.random.default_rng(0)  # numpy: initialising with jax would compile more than the test
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 8)), jnp.int32)
+    params = jax.tree.map(
+        lambda p: jnp.asarray(0.3 * rng.standard_normal(p.shape), p.dtype),
+        models.abstract_params(cfg),
+    )
+    jit = functools.partial(jax.jit, compiler_options=demo.FAST_COMPILE)  # tiny; compile time rules
+    results = {}
+    # One remat policy and the last configuration (jaxmem.scan where present) keep this quick.
+    configs = demo.configurations()
+    for label in dict.fromkeys(["no remat", "checkpoint dots_saveable", list(configs)[-1]]):
+        c = configs[label]
+        loss = models.next_token_loss(models.GPT(cfg, c.scan_impl, c.policy))
+        results[label] = jit(jax.value_and_grad(loss))(params, tokens)
+    ref_loss, ref_grads = results.pop("no remat")
+    for label, (loss, grads) in results.items():
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, err_msg=label)
+        for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+            np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-6, err_msg=label)
+
+
+def test_untied_model_has_a_head():
+    cfg = models.GPTConfig(
+        vocab_size=64,
+        seq_len=8,
+        num_layers=1,
+        d_model=16,
+        num_heads=2,
+        d_ff=32,
+        tie_embeddings=False,
+    )
+    params = models.abstract_params(cfg)
+    assert params["head"]["kernel"].shape == (16, 64)
+    assert params["blocks"]["qkv"]["kernel"].shape[0] == 1
+    assert jnp.issubdtype(params["embed"]["embedding"].dtype, jnp.floating)
