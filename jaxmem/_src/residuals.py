@@ -502,6 +502,14 @@ class PlannedResidual:
       bytes: bytes of the per-step value.
       kind: one of ``"xs"``, ``"const"``, ``"carry"``, ``"ys"``, ``"recomputed"``, ``"stacked"``.
       source: ``file:line (function)`` of the operation that produced it, or the input it is.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import jaxmem
+      >>> plan = jaxmem.scan_residuals(lambda c, x: (jnp.sin(c) * x, None), jnp.ones(3),
+      ...                              jnp.ones((5, 3)))
+      >>> [(r.kind, r.shape, r.bytes) for r in plan.residuals]  # x, cos(c), sin(c)
+      [('xs', (3,), 12), ('recomputed', (3,), 12), ('recomputed', (3,), 12)]
     """
 
     shape: tuple[int, ...]
@@ -524,6 +532,16 @@ class ScanPlan:
       stacked_bytes: bytes stacked over the whole scan (``length`` times the per-step ``stacked``).
       stock_stacked_bytes: bytes :func:`jax.lax.scan` stacks for the same step (its loop-stacked
         residuals), or None when not measured.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import jaxmem
+      >>> plan = jaxmem.scan_residuals(lambda c, x: (jnp.sin(c) * x, None), jnp.ones(3),
+      ...                              jnp.ones((5, 3)))
+      >>> plan.stacked_bytes, plan.stock_stacked_bytes, plan.ratio  # carry sequence vs 2 stacks
+      (60, 120, 0.5)
+      >>> plan.counts()["recomputed"], [r.kind for r in plan.stacked]
+      (2, ['carry'])
     """
 
     length: int
