@@ -285,3 +285,36 @@ def test_compare_failure_names_label():
     with pytest.raises(ProfileError, match=r"'lean' \(function 'broken'\)") as e:
         jaxmem.compare({"ok": jnp.sin, "lean": broken}, jnp.ones((2, 3)))
     assert e.value.__cause__ is not None
+
+
+def test_profile_shows_the_plan_of_each_jaxmem_scan():
+    w = jnp.eye(4) * 0.5
+    xs, h0 = jnp.ones((6, 2, 4)), jnp.zeros((2, 4))
+
+    def loss(w, xs, h0):
+        def step(h, x):
+            h = jnp.tanh(h @ w + x)
+            return h, h
+
+        _, ys = jaxmem.scan(step, h0, xs)
+        inner, _ = jaxmem.scan(lambda c, x: (jnp.sin(c) * x, None), h0, xs)
+        return jnp.sum(ys**2) + jnp.sum(inner)
+
+    report = jaxmem.profile(loss, w, xs, h0)
+    assert len(report.scan_plans) == 2
+    first, second = report.scan_plans
+    alone = jaxmem.scan_residuals(lambda h, x: (jnp.tanh(h @ w + x),) * 2, h0, xs)
+
+    def kinds(plan):
+        return [(r.kind, r.shape, r.bytes) for r in plan.residuals + plan.stacked]
+
+    assert kinds(first) == kinds(alone) and first.stacked_bytes == alone.stacked_bytes
+    assert first.stacked_bytes == 6 * 2 * 4 * 4  # the ys, read back; nothing else stacked
+    assert second.stacked_bytes == 6 * 2 * 4 * 4  # the carry sequence
+    assert first.stacked_bytes < first.stock_stacked_bytes
+    assert "jaxmem.scan #1" in str(report)
+    assert report.to_dict()["scan_plans"][0]["stacked_bytes"] == first.stacked_bytes
+    # No gradient listing (non-scalar output), no plans.
+    assert (
+        jaxmem.profile(lambda xs: jaxmem.scan(lambda c, x: (c + x, c), h0, xs), xs).scan_plans == ()
+    )
