@@ -237,6 +237,14 @@ def _zeros_ct(aval, length=None):
     return np.zeros(shape, jax.dtypes.float0)
 
 
+def _with_zeros(avals, indices, values, length=None):
+    """Cotangents for every primal of ``avals``: ``values`` at ``indices``, zeros elsewhere."""
+    out = [_zeros_ct(a, length) for a in avals]
+    for i, value in zip(indices, values, strict=True):
+        out[i] = value
+    return out
+
+
 def _read(env, v):
     if isinstance(v, core.Literal):
         return jnp.asarray(v.val, dtype=v.aval.dtype)
@@ -465,12 +473,8 @@ def _build_scan(
             _res.eval_eqns(plan.recompute_eqns, env)
             res_vals = [_read(env, v) for v in plan.res_outvars]
             vjp_fn = tree_unflatten(plan.res_treedef, res_vals)
-            full_ct_carry = [_zeros_ct(a) for a in carry_avals]
-            for i, ct in zip(float_carry, ct_carry, strict=True):
-                full_ct_carry[i] = ct
-            full_ct_y = [_zeros_ct(a) for a in y_avals]
-            for i, ct in zip(float_y, ct_y, strict=True):
-                full_ct_y[i] = ct
+            full_ct_carry = _with_zeros(carry_avals, float_carry, ct_carry)
+            full_ct_y = _with_zeros(y_avals, float_y, ct_y)
             d_consts, d_carry, d_x = vjp_fn((full_ct_carry, full_ct_y))
             new_ct_consts = [
                 acc + d_consts[i] for acc, i in zip(ct_consts, float_consts, strict=True)
@@ -488,16 +492,11 @@ def _build_scan(
         (ct_init_f, ct_consts_f, _), ct_xs_f = jax.lax.scan(
             step, init_b, inputs, length=length, reverse=not reverse, unroll=unroll
         )
-        ct_consts = [_zeros_ct(a) for a in const_avals]
-        for i, ct in zip(float_consts, ct_consts_f, strict=True):
-            ct_consts[i] = ct
-        ct_init = [_zeros_ct(a) for a in carry_avals]
-        for i, ct in zip(float_carry, ct_init_f, strict=True):
-            ct_init[i] = ct
-        ct_xs = [_zeros_ct(a, length) for a in x_avals]
-        for i, ct in zip(float_x, ct_xs_f, strict=True):
-            ct_xs[i] = ct
-        return ct_consts, ct_init, ct_xs
+        return (
+            _with_zeros(const_avals, float_consts, ct_consts_f),
+            _with_zeros(carry_avals, float_carry, ct_init_f),
+            _with_zeros(x_avals, float_x, ct_xs_f, length),
+        )
 
     run.defvjp(run_fwd, run_bwd)
     return run, analyze
