@@ -3,6 +3,10 @@
 The public face of the package. Implementation lives in :mod:`jaxmem._src`.
 """
 
+from jaxmem import offload as offload
+from jaxmem import policies as policies
+from jaxmem._src.names import NAMES as NAMES
+from jaxmem._src.names import name as name
 from jaxmem._src.profile import Comparison as Comparison
 from jaxmem._src.profile import MemoryReport as MemoryReport
 from jaxmem._src.profile import ProfileError as ProfileError
@@ -22,11 +26,15 @@ __all__ = [
     "Comparison",
     "ForwardModeError",
     "MemoryReport",
+    "NAMES",
     "PlannedResidual",
     "ProfileError",
     "Residual",
     "ScanPlan",
     "compare",
+    "name",
+    "offload",
+    "policies",
     "profile",
     "scan",
     "scan_residuals",

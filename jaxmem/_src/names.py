@@ -61,7 +61,7 @@ NAMES = MappingProxyType(
         ),
         "out_proj": "attention output projection, added to the residual stream, [b, s, d]",
         "mlp_in": "first MLP matmul output (pre-activation; MaxText's mlpwi), [b, s, f]",
-        "mlp_act": "MLP activation output (e.g. gelu(mlp_in)), input of the second matmul, [b, s, f]",
+        "mlp_act": "MLP activation (e.g. gelu(mlp_in)), input of the second matmul, [b, s, f]",
         "mlp_out": (
             "second MLP matmul output (MaxText's mlpwo), added to the residual stream, [b, s, d]"
         ),

@@ -369,6 +369,10 @@ def _build_scan(
     def run_fwd(consts, init, xs):
         plan = analyze(consts, init, xs)
         off_stacked, off_carry = plan_cache[1]
+        # Inputs in host memory (e.g. layer parameters kept there) get their cotangents there.
+        spaces = [jax.typeof(v).memory_space for v in (*consts, *init, *xs)]
+        if len(plan_cache) == 2:
+            plan_cache.append(spaces)
         jaxpr = plan.jaxpr
         base_env = dict(zip(jaxpr.constvars, plan.jaxpr_consts, strict=True))
         base_env.update(zip(plan.const_invars, consts, strict=True))
@@ -414,7 +418,7 @@ def _build_scan(
         return (final, ys), res
 
     def run_bwd(saved, cts):
-        plan, (off_stacked, off_carry) = plan_cache
+        plan, (off_stacked, off_carry), spaces = plan_cache
         consts, hoisted, xs, ys_needed, stacked, carry_seq, final_kept, init_from_y = saved
         ct_final, ct_ys = cts
         jaxpr = plan.jaxpr
@@ -492,10 +496,15 @@ def _build_scan(
         (ct_init_f, ct_consts_f, _), ct_xs_f = jax.lax.scan(
             step, init_b, inputs, length=length, reverse=not reverse, unroll=unroll
         )
-        return (
+        cts = (
             _with_zeros(const_avals, float_consts, ct_consts_f),
             _with_zeros(carry_avals, float_carry, ct_init_f),
             _with_zeros(x_avals, float_x, ct_xs_f, length),
+        )
+        host = iter(space == core.MemorySpace.Host for space in spaces)
+        return tuple(
+            [_to_host(ct) if next(host) and ct.dtype != jax.dtypes.float0 else ct for ct in group]
+            for group in cts
         )
 
     run.defvjp(run_fwd, run_bwd)

@@ -1,0 +1,547 @@
+"""Tests of :mod:`jaxmem.policies`: semantics read structurally from the saved residuals.
+
+The reference GPT block (:class:`jaxmem._src.models.Block`, tagged with the name vocabulary) is
+stacked ``L`` times with ``jax.lax.scan(jax.checkpoint(step, policy=p))`` and with
+``jaxmem.scan(step, ..., policy=p)``, and each policy is judged by the residuals the gradient
+stacks per layer: their shapes, their memory space (an offloaded residual has a ``<host>`` aval,
+the output of a ``device_put`` to host inside the scan body) and, for ``lax.scan``, the checkpoint
+name of the value each residual is (traced back through the scan body). ``jaxmem.scan`` may stack
+an equivalent tensor (e.g. the matmul before a bias add, or before a transpose) instead of the
+named one, so there the residuals are identified by shape: the sizes below make each named
+tensor's shape unique among the block's activations where it matters.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src import core
+from jax._src.ad_checkpoint import saved_residuals
+
+import jaxmem
+import jaxmem.policies as policies
+from jaxmem._src import models
+from jaxmem._src import policies as policies_src
+from jaxmem._src.names import NAMES, name
+
+B, S, D, A, F, L = 2, 8, 12, 3, 20, 3  # batch, seq, width, heads, MLP width, layers
+K = D // A
+CARRY = (B, S, D)  # decoder_layer_input, out_proj, mlp_out
+QKV = (B, S, 3, A, K)
+ATTN_OUT = (B, S, A, K)
+MLP = (B, S, F)  # mlp_in, mlp_act
+CORE = (B, A, S, S)  # attention_scores, attention_probs
+FAST_COMPILE = {"xla_backend_optimization_level": 0}  # tiny programs: compile time dominates
+
+
+# ------------------------------------------------------------------------------------------
+# The block stack and the structural residual listing.
+
+
+BLOCK = models.Block(num_heads=A, d_ff=F)
+
+
+def _step(h, p):
+    return BLOCK.apply({"params": p}, h), None
+
+
+def _lax_scan(step, h, ps, policy):
+    if policy is not None:
+        step = jax.checkpoint(step, policy=policy, prevent_cse=False)
+    return jax.lax.scan(step, h, ps)
+
+
+def _jaxmem_scan(step, h, ps, policy):
+    return jaxmem.scan(step, h, ps, policy=policy)
+
+
+SCANS = {"lax.scan": _lax_scan, "jaxmem.scan": _jaxmem_scan}
+
+
+def make_loss(scan, policy):
+    def loss(h, ps):
+        out, _ = scan(_step, h, ps, policy)
+        return jnp.sum(jnp.tanh(out))
+
+    return loss
+
+
+@functools.cache
+def abstract_args(dtype=jnp.float32):
+    h = jax.ShapeDtypeStruct(CARRY, dtype)
+    one = jax.eval_shape(BLOCK.init, jax.random.key(0), h)["params"]
+    ps = jax.tree.map(lambda p: jax.ShapeDtypeStruct((L, *p.shape), dtype), one)
+    return h, ps
+
+
+@functools.cache
+def concrete_args():
+    rng = np.random.default_rng(0)  # numpy: no compilation for test data
+    h, ps = abstract_args()
+    return jax.tree.map(lambda a: jnp.asarray(0.3 * rng.standard_normal(a.shape), a.dtype), (h, ps))
+
+
+@dataclasses.dataclass(frozen=True)
+class Stacked:
+    """One loop-stacked residual: per-layer shape, dtype, memory and what it is."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    host: bool
+    what: str | None  # checkpoint name, "carry", or None (an unnamed value)
+
+
+def _body_source(scan_eqn, index: int) -> str | None:
+    """What the scan body's output ``index`` is: a checkpoint name, "carry", or None."""
+    body = scan_eqn.params["jaxpr"].jaxpr
+    producers = {v: e for e in body.eqns for v in e.outvars}
+    v = body.outvars[index]
+    while v in producers and producers[v].primitive.name in ("reduce_precision", "device_put"):
+        v = producers[v].invars[0]
+    if v in producers:
+        eqn = producers[v]
+        return eqn.params["name"] if eqn.primitive.name == "name" else None
+    if v in body.invars:
+        i = body.invars.index(v) - scan_eqn.params["num_consts"]
+        return "carry" if 0 <= i < scan_eqn.params["num_carry"] else "xs"
+    return None
+
+
+def stacked_residuals(loss, *args) -> list[Stacked]:
+    """The residuals of ``loss``'s VJP that a scan stacks over the ``L`` layers."""
+    jaxpr = jax.make_jaxpr(lambda *a: jax.vjp(loss, *a)[1])(*args).jaxpr
+    producers = {v: e for e in jaxpr.eqns for v in e.outvars}
+    out = []
+    for v in jaxpr.outvars:
+        eqn = producers.get(v) if isinstance(v, core.Var) else None
+        if eqn is None or eqn.primitive.name != "scan" or v.aval.shape[:1] != (L,):
+            continue
+        out.append(
+            Stacked(
+                shape=tuple(v.aval.shape[1:]),
+                dtype=str(v.aval.dtype),
+                host=v.aval.memory_space == core.MemorySpace.Host,
+                what=_body_source(eqn, eqn.outvars.index(v)),
+            )
+        )
+    return out
+
+
+def residuals_of(scan_name: str, policy) -> list[Stacked]:
+    return stacked_residuals(make_loss(SCANS[scan_name], policy), *abstract_args())
+
+
+def shapes(res: list[Stacked], host: bool | None = None) -> collections.Counter:
+    return collections.Counter(r.shape for r in res if host is None or r.host == host)
+
+
+def layouts(res: list[Stacked], host: bool | None = None) -> collections.Counter:
+    """Shapes up to a transpose (jaxmem.scan may stack x and recompute x.T cheaply)."""
+    return collections.Counter(
+        tuple(sorted(r.shape)) for r in res if host is None or r.host == host
+    )
+
+
+def whats(res: list[Stacked]) -> collections.Counter:
+    return collections.Counter(r.what for r in res)
+
+
+# ------------------------------------------------------------------------------------------
+# Semantics, structurally.
+
+
+def test_the_listing_sees_names_carries_and_host_memory():
+    # The helper itself: jax's own policy, its names traced back through the scan body.
+    policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=["qkv_proj"],
+        names_which_can_be_offloaded=["mlp_in"],
+        offload_src="device",
+        offload_dst="pinned_host",
+    )
+    res = residuals_of("lax.scan", policy)
+    assert sorted((r.what, r.shape, r.host) for r in res) == [
+        ("carry", CARRY, False),
+        ("mlp_in", MLP, True),
+        ("qkv_proj", QKV, False),
+    ]
+
+
+@pytest.mark.parametrize("scan", SCANS)
+def test_nothing_saves_only_the_layer_input(scan):
+    res = residuals_of(scan, policies.nothing)
+    assert shapes(res) == {CARRY: 1}
+    assert not any(r.host for r in res)
+    if scan == "lax.scan":
+        assert whats(res) == {"carry": 1}
+
+
+@pytest.mark.parametrize("scan", SCANS)
+def test_save_saves_exactly_the_named_tensor(scan):
+    res = residuals_of(scan, policies.save("qkv_proj"))
+    assert shapes(res) == {CARRY: 1, QKV: 1}
+    assert not any(r.host for r in res)
+    if scan == "lax.scan":
+        assert whats(res) == {"carry": 1, "qkv_proj": 1}
+
+
+@pytest.mark.parametrize("scan", SCANS)
+def test_offload_moves_the_named_tensor_to_host(scan):
+    # Offloading the layer input moves the carry stack itself to host (nothing left on device).
+    res = residuals_of(scan, policies.offload("decoder_layer_input"))
+    assert shapes(res, host=True) == {CARRY: 1}
+    assert shapes(res, host=False) == {}
+    if scan == "lax.scan":
+        assert whats(res) == {"decoder_layer_input": 1}
+
+
+@pytest.mark.parametrize("scan", SCANS)
+def test_custom_honours_each_entry(scan):
+    policy = policies.custom({"qkv_proj": "device", "attention_out": "offload", "mlp_in": "remat"})
+    res = residuals_of(scan, policy)
+    assert shapes(res, host=False) == {CARRY: 1, QKV: 1}  # device entry + the carry
+    assert shapes(res, host=True) == {ATTN_OUT: 1}  # offload entry
+    assert MLP not in shapes(res)  # remat entry (and default remat: nothing else)
+    if scan == "lax.scan":
+        assert sorted((r.what, r.host) for r in res) == [
+            ("attention_out", True),
+            ("carry", False),
+            ("qkv_proj", False),
+        ]
+
+
+def test_custom_default_applies_to_everything_unnamed():
+    # default="device" keeps what `everything` keeps, except the offloaded entry goes to host.
+    res = residuals_of("lax.scan", policies.custom({"attention_out": "offload"}, default="device"))
+    ref = residuals_of("lax.scan", policies.everything)
+    assert [r for r in res if r.host] == [Stacked(ATTN_OUT, "float32", True, "attention_out")]
+    assert len(res) == len(ref)
+    assert shapes(res, host=False) + shapes(res, host=True) == shapes(ref)
+
+
+@pytest.mark.parametrize("scan", SCANS)
+def test_selective_recomputes_the_attention_core(scan):
+    res = residuals_of(scan, policies.selective())
+    # No [b, a, s, s] tensor in any layout (jaxmem.scan may stack a transpose).
+    assert not [r for r in res if sorted(r.shape) == sorted(CORE)]
+    assert not any(r.host for r in res)
+    if scan == "lax.scan":
+        assert whats(res) == {
+            n: 1
+            for n in (
+                "decoder_layer_input",
+                "qkv_proj",
+                "attention_out",
+                "out_proj",
+                "mlp_in",
+                "mlp_act",
+            )
+        }
+    # Contrast: without recomputation the core is stacked, so the check above can fail.
+    assert [r for r in residuals_of(scan, policies.everything) if r.shape == CORE]
+
+
+def test_selective_can_recompute_more():
+    res = residuals_of("lax.scan", policies.selective(also_recompute=["mlp_act"]))
+    assert "mlp_act" not in whats(res) and whats(res)["mlp_in"] == 1
+
+
+@pytest.mark.parametrize("scan", SCANS)
+@pytest.mark.parametrize(
+    "ours, theirs",
+    [
+        (policies.nothing, jax.checkpoint_policies.nothing_saveable),
+        (policies.everything, jax.checkpoint_policies.everything_saveable),
+        (policies.dots, jax.checkpoint_policies.dots_saveable),
+        (policies.dots_no_batch, jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
+    ],
+    ids=["nothing", "everything", "dots", "dots_no_batch"],
+)
+def test_presets_behave_as_jax(scan, ours, theirs):
+    args = abstract_args()
+
+    def listing(policy):  # as a multiset: jaxmem.scan's stacking order is its own
+        return sorted(
+            (a.str_short(), src)
+            for a, src in saved_residuals(make_loss(SCANS[scan], policy), *args)
+        )
+
+    assert listing(ours) == listing(theirs)
+
+
+@pytest.mark.parametrize("scan", SCANS)
+def test_offload_wins_in_either(scan):
+    res = residuals_of(scan, policies.selective() | policies.offload("decoder_layer_input"))
+    assert shapes(res, host=True) == {CARRY: 1}
+    assert not [r for r in res if sorted(r.shape) == sorted(CORE)]
+    if scan == "lax.scan":
+        assert [r.what for r in res if r.host] == ["decoder_layer_input"]
+        assert whats(res)["qkv_proj"] == 1 and whats(res)["mlp_act"] == 1
+
+
+def test_either_is_the_union_of_what_is_saved():
+    res = residuals_of("lax.scan", policies.save("qkv_proj") | policies.save("mlp_in"))
+    assert whats(res) == {"carry": 1, "qkv_proj": 1, "mlp_in": 1}
+    # Any remat policy takes part, e.g. one of jax's (through __ror__).
+    combined = jax.checkpoint_policies.nothing_saveable | policies.save("mlp_in")
+    assert isinstance(combined, policies.Either)
+    assert whats(residuals_of("lax.scan", combined)) == {"carry": 1, "mlp_in": 1}
+
+
+def test_user_names_are_allowed_when_asked_for():
+    def f(x):
+        return jnp.sin(name(jnp.sin(x), "my_value", allow_unknown=True))
+
+    policy = policies.save("my_value", allow_unknown=True)
+    srcs = [src for _, src in saved_residuals(jax.checkpoint(f, policy=policy), 1.0)]
+    assert any("named 'my_value'" in s for s in srcs)
+
+
+# ------------------------------------------------------------------------------------------
+# Gradients: every policy computes the no-policy gradient.
+
+
+GRADIENT_POLICIES = {
+    "nothing": policies.nothing,
+    "everything": policies.everything,
+    "dots": policies.dots,
+    "dots_no_batch": policies.dots_no_batch,
+    "save": policies.save("qkv_proj", "mlp_act"),
+    "offload": policies.offload("decoder_layer_input", "mlp_in"),
+    "custom": policies.custom(
+        {"qkv_proj": "device", "attention_out": "offload", "mlp_act": "remat"}
+    ),
+    "custom_default_device": policies.custom({"mlp_in": "offload"}, default="device"),
+    "selective": policies.selective(),
+    "either": policies.dots_no_batch | policies.offload("decoder_layer_input"),
+}
+
+
+# jaxmem.scan applies the policy as jax.checkpoint inside its own VJP: the name-selecting and
+# offloading policies are the ones worth checking there too.
+GRADIENT_CASES = [("lax.scan", k) for k in GRADIENT_POLICIES] + [
+    ("jaxmem.scan", k) for k in ("nothing", "offload", "custom", "selective", "either")
+]
+
+
+@functools.cache
+def all_gradients():
+    """The no-policy gradient and every case's, from one compilation (compiling dominates)."""
+
+    def grads(h, ps):
+        def grad(scan, policy):
+            return jax.grad(make_loss(SCANS[scan], policy), argnums=(0, 1))(h, ps)
+
+        cases = {case: grad(case[0], GRADIENT_POLICIES[case[1]]) for case in GRADIENT_CASES}
+        return grad("lax.scan", None), cases
+
+    return jax.jit(grads, compiler_options=FAST_COMPILE)(*concrete_args())
+
+
+@pytest.mark.parametrize("case", GRADIENT_CASES, ids=["-".join(c) for c in GRADIENT_CASES])
+def test_gradient_equals_the_no_policy_gradient(case):
+    ref, grads = all_gradients()
+    pairs = zip(jax.tree_util.tree_leaves_with_path(grads[case]), jax.tree.leaves(ref), strict=True)
+    for (path, g), r in pairs:
+        scale = float(jnp.max(jnp.abs(r)))
+        np.testing.assert_allclose(
+            g, r, rtol=1e-6, atol=1e-6 * scale, err_msg=jax.tree_util.keystr(path)
+        )
+
+
+# ------------------------------------------------------------------------------------------
+# Value semantics: hashable, equal by value, printable, static arguments of jit.
+
+
+def test_policies_are_values():
+    assert policies.save("qkv_proj", "mlp_in") == policies.save("mlp_in", "qkv_proj", "mlp_in")
+    assert hash(policies.save("qkv_proj", "mlp_in")) == hash(policies.save("mlp_in", "qkv_proj"))
+    assert policies.save("qkv_proj") != policies.offload("qkv_proj")
+    assert policies.custom({"qkv_proj": "device"}) == policies.custom(device=["qkv_proj"])
+    assert policies.selective() == policies.by_name("selective")
+    assert policies.dots | policies.save("mlp_in") == policies.either(
+        policies.dots, policies.save("mlp_in")
+    )
+    assert policies.either(policies.dots, policies.dots | policies.dots) is policies.dots
+    everything = [*GRADIENT_POLICIES.values(), policies.selective(also_recompute=["mlp_act"])]
+    assert len(set(everything)) == len(everything)
+    for p in everything:
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            p.foo = 1  # frozen
+
+
+def test_policies_print_as_the_call_that_builds_them():
+    assert repr(policies.nothing) == "nothing"
+    assert repr(policies.dots_no_batch) == "dots_no_batch"
+    assert repr(policies.save("qkv_proj", "mlp_in")) == "save('mlp_in', 'qkv_proj')"
+    assert repr(policies.offload("decoder_layer_input")) == "offload('decoder_layer_input')"
+    assert (
+        repr(policies.custom({"qkv_proj": "device"}, offload=["mlp_in"]))
+        == "custom({'mlp_in': 'offload', 'qkv_proj': 'device'}, default='remat')"
+    )
+    assert repr(policies.selective()) == "selective()"
+    combined = jax.checkpoint_policies.dots_saveable | policies.selective()
+    assert repr(combined).startswith("either(DotsSaveable(") and "selective()" in repr(combined)
+    # Round trip: the repr evaluates back to an equal policy.
+    for p in GRADIENT_POLICIES.values():
+        assert eval(repr(p), vars(policies)) == p  # noqa: S307 - our own reprs
+
+
+def test_policies_are_static_arguments_of_jit():
+    traces = []
+
+    @functools.partial(jax.jit, static_argnums=1)
+    def g(x, policy):
+        traces.append(policy)
+
+        def f(x):
+            return jnp.sum(jnp.sin(name(jnp.sin(x), "mlp_act")))
+
+        return jax.grad(jax.checkpoint(f, policy=policy))(x)
+
+    x = jnp.arange(3.0)
+    a = g(x, policies.save("mlp_act"))
+    b = g(x, policies.save("mlp_act"))  # a new, equal policy: no retrace
+    c = g(x, policies.selective())
+    assert len(traces) == 2
+    np.testing.assert_allclose(a, b)
+    np.testing.assert_allclose(a, c, rtol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------
+# Errors.
+
+
+def test_unknown_names_list_the_vocabulary():
+    for build in (
+        lambda: policies.save("mlpwi"),
+        lambda: policies.offload("mlpwi"),
+        lambda: policies.custom({"mlpwi": "device"}),
+        lambda: policies.custom(remat=["mlpwi"]),
+        lambda: policies.selective(also_recompute=["mlpwi"]),
+    ):
+        with pytest.raises(ValueError, match="unknown checkpoint name 'mlpwi'") as info:
+            build()
+        assert all(n in str(info.value) for n in NAMES)
+        assert "allow_unknown=True" in str(info.value)
+    assert policies.custom({"mlpwi": "device"}, allow_unknown=True).explicit_actions() == {
+        "mlpwi": "device"
+    }
+    with pytest.raises(TypeError, match="must be a str"):
+        policies.save(["qkv_proj"])
+    with pytest.raises(TypeError, match="collection of names, got the str"):
+        policies.custom(device="qkv_proj")
+
+
+def test_overlapping_names_are_refused():
+    with pytest.raises(ValueError, match="'qkv_proj' is given two actions"):
+        policies.custom({"qkv_proj": "device"}, offload=["qkv_proj"])
+    with pytest.raises(ValueError, match="'mlp_in' is given two actions"):
+        policies.custom(device=["mlp_in"], remat=["mlp_in"])
+    with pytest.raises(ValueError, match="'qkv_proj' is saved on the device by save"):
+        policies.save("qkv_proj") | policies.offload("qkv_proj")
+    with pytest.raises(ValueError, match="offloaded by"):
+        policies.either(policies.custom({"mlp_in": "offload"}), policies.save("mlp_in", "qkv_proj"))
+    # One name, one action, given twice: fine.
+    assert policies.save("qkv_proj") | policies.custom({"qkv_proj": "device"})
+
+
+def test_bad_custom_values_are_refused():
+    with pytest.raises(ValueError, match=r"mapping\['qkv_proj'\] is 'save'; expected one of"):
+        policies.custom({"qkv_proj": "save"})
+    with pytest.raises(ValueError, match="default='host'; expected one of"):
+        policies.custom({"qkv_proj": "device"}, default="host")
+    with pytest.raises(ValueError, match="'remat' entries \\['mlp_in'\\] have no effect"):
+        policies.custom({"mlp_in": "remat"}, default="device")
+    with pytest.raises(TypeError, match="mapping must be a dict"):
+        policies.custom([("qkv_proj", "device")])
+
+
+def test_by_name():
+    assert policies.by_name("nothing") is policies.nothing
+    assert policies.by_name("dots_with_no_batch_dims_saveable") is policies.dots_no_batch
+    with pytest.raises(ValueError, match="unknown policy 'full'; known policies: ") as info:
+        policies.by_name("full")
+    for known in ("nothing", "everything", "dots", "dots_no_batch", "selective"):
+        assert known in str(info.value)
+    with pytest.raises(TypeError, match="policy_name must be a str"):
+        policies.by_name(policies.dots)
+
+
+def test_either_checks_its_arguments():
+    with pytest.raises(TypeError, match="at least one policy"):
+        policies.either()
+    with pytest.raises(TypeError, match=r"policies\[1\] is str"):
+        policies.either(policies.dots, "dots")
+
+    @dataclasses.dataclass  # eq without frozen: unhashable
+    class Unhashable:
+        def __call__(self, *_, **__):
+            return False
+
+    with pytest.raises(TypeError, match="not hashable"):
+        policies.either(policies.dots, Unhashable())
+
+    bad = policies.either(policies.dots, lambda *_, **__: "yes")
+    with pytest.raises(TypeError, match="returned 'yes'"):
+        jax.grad(jax.checkpoint(jnp.sin, policy=bad))(1.0)
+
+
+def test_offload_is_supported_here_without_a_warning():
+    # XLA:CPU reports a pinned_host memory; any fallback warning would be an error here.
+    assert policies_src._offload_supported()
+
+
+def test_unsupported_offload_warns_once_and_saves_on_device(monkeypatch):
+    monkeypatch.setattr(policies_src, "_offload_supported", lambda: False)
+    monkeypatch.setattr(policies_src, "_offload_warned", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        # Policies used nowhere else: JAX caches partial evaluation per (jaxpr, policy).
+        first = residuals_of("lax.scan", policies.offload("decoder_layer_input", "out_proj"))
+        second = residuals_of("jaxmem.scan", policies.custom({"attention_out": "offload"}))
+    fallbacks = [w for w in caught if issubclass(w.category, policies.OffloadFallbackWarning)]
+    assert len(fallbacks) == 1, [str(w.message) for w in caught]
+    message = str(fallbacks[0].message)
+    assert "pinned_host" in message and "saved on the device" in message
+    assert not any(r.host for r in first + second)
+    assert whats(first)["decoder_layer_input"] == 1
+    assert layouts(second) == {tuple(sorted(CARRY)): 1, tuple(sorted(ATTN_OUT)): 1}
+
+
+# ------------------------------------------------------------------------------------------
+# Korthikanti et al. 2022: activation bytes per layer with 16-bit activations.
+
+
+KB, KS, KH, KA = 1, 256, 64, 4  # 5 a s / h = 80: the attention core dominates without remat
+SBH = KS * KB * KH
+
+
+def test_korthikanti_bytes_per_layer():
+    measure = functools.partial(policies_src.block_residual_bytes, b=KB, s=KS, h=KH, a=KA)
+    assert measure(policies.nothing) == 2 * SBH  # the layer input, 2sbh
+    selective = measure(policies.selective())
+    assert 0.75 * 34 * SBH <= selective <= 1.15 * 34 * SBH  # the paper's 34sbh
+    everything = measure(policies.everything)
+    assert everything >= 0.85 * SBH * (34 + 5 * KA * KS / KH)  # the paper's sbh(34 + 5as/h)
+    # jaxmem.scan stacks no more than lax.scan under the same policy.
+    assert measure(policies.selective(), scan=jaxmem.scan) <= selective
+
+
+def test_korthikanti_table():
+    table = policies_src.korthikanti_table(KB, KS, KH, KA)
+    lines = table.splitlines()
+    assert lines[0].startswith("| policy | measured B/layer |") and "ratio" in lines[0]
+    assert len(lines) == 6
+    row = {line.split(" | ")[0].lstrip("| "): line for line in lines[2:]}
+    assert row["nothing (full remat)"].endswith(f"| 2sbh | {2 * SBH:,} | 1.00 |")
+    assert f"| 34sbh | {34 * SBH:,} |" in row["selective()"]
+    assert (
+        f"| sbh(34 + 5as/h) | {SBH * (34 + 5 * KA * KS // KH):,} |" in row["everything (no remat)"]
+    )
