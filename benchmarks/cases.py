@@ -129,6 +129,9 @@ def _jaxmem_scan(**options: Any) -> ScanImpl | None:
 
 register_variant("jaxmem", _jaxmem_scan)
 register_variant("jaxmem-norecompute", functools.partial(_jaxmem_scan, recompute="none"))
+# Host offload of everything stacked: the identity on CPU (same device figures), host-placed
+# stacks on GPU/TPU.
+register_variant("jaxmem-offload", functools.partial(_jaxmem_scan, offload="all"))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -59,6 +59,17 @@ def configurations() -> dict[str, Configuration]:
     if lean_scan is not None:
         out["jaxmem.scan"] = Configuration(lean_scan)
         out["jaxmem.scan + dots_saveable"] = Configuration(lean_scan, policies.dots_saveable)
+    named = getattr(jaxmem, "policies", None)
+    if named is not None:
+        selective = named.selective()
+        out["checkpoint selective()"] = Configuration(jax.lax.scan, selective)
+        if lean_scan is not None:
+            out["jaxmem.scan + selective()"] = Configuration(lean_scan, selective)
+            # On CPU host offload is the identity: same device figures; GPU/TPU move the
+            # carry sequence (the layer inputs) to pinned_host.
+            out["jaxmem.scan offload=carries"] = Configuration(
+                functools.partial(lean_scan, offload="carries")
+            )
     return out
 
 
@@ -193,8 +204,14 @@ def run(args: argparse.Namespace) -> int:
     )
     print(
         "temp = compiled temp bytes of jax.jit(jax.grad(loss)); residual = bytes the gradient "
-        "saves between its forward and backward pass\n"
+        "saves between its forward and backward pass"
     )
+    if jax.default_backend() == "cpu":
+        print(
+            "on CPU host offload is the identity: offload rows show the same device figures as "
+            "the row without offload (on GPU/TPU the stacks move to pinned_host)"
+        )
+    print()
     comparison = measure(config, args.batch, configs, fast_compile=not args.full_optimization)
     print(comparison)
     if len(comparison.reports) > 1:
