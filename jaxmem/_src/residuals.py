@@ -39,13 +39,14 @@ from jax._src import core, source_info_util
 
 # Primitives whose recomputation in the backward step is cheap: elementwise arithmetic and
 # transcendental functions, comparisons and selects, type conversions and pure data movement
-# (device_put included: re-fetching a host-resident slice beats stacking a device copy of it).
+# (and device_put *to device*, see _is_cheap: re-fetching a host-resident slice beats stacking a
+# device copy of it, while a copy *to host* is what an offloading policy wants stored).
 # Not here on purpose: dot_general, conv, reductions, cumulative ops, sort, gather/scatter,
 # random number generation, control flow.
 CHEAP_PRIMITIVES: frozenset[str] = frozenset(
     """
     abs acos acosh add and asin asinh atan atan2 atanh bitcast_convert_type broadcast_in_dim cbrt
-    ceil clamp complex concatenate conj convert_element_type copy copy_p cos cosh device_put div
+    ceil clamp complex concatenate conj convert_element_type copy copy_p cos cosh div
     dynamic_slice eq erf erf_inv erfc exp exp2 expand_dims expm1 floor ge gt imag integer_pow
     iota is_finite le log log1p logistic lt max min mul name ne neg nextafter not or pad
     population_count pow real reduce_precision rem reshape rev round rsqrt select_n
@@ -82,6 +83,10 @@ def _is_cheap(eqn) -> bool:
     name = eqn.primitive.name
     if name in CHEAP_PRIMITIVES:
         return True
+    if name == "device_put":
+        return all(
+            getattr(v.aval, "memory_space", None) != core.MemorySpace.Host for v in eqn.outvars
+        )
     if name in ("jit", "pjit", "closed_call", "core_call"):
         inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
         inner = getattr(inner, "jaxpr", inner)
