@@ -1,5 +1,5 @@
 # Two commands do everything on a fresh machine with python3 and pip:
-#   make test   create .venv, install jaxmem[test], run the whole suite
+#   make test   create .venv, install jaxmem[test], run the whole suite (notebooks included)
 #   make demo   same set-up, then run the main job (python -m jaxmem demo)
 PYTHON ?= python3
 VENV := .venv
@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -n $(PYTEST_WORKERS) -q jaxmem tests README.md
+	$(PY) -m pytest -n $(PYTEST_WORKERS) -q jaxmem tests README.md --nbmake notebooks
 
 demo: $(STAMP)
 	$(PY) -m jaxmem demo

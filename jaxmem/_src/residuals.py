@@ -426,7 +426,9 @@ def analyze_step(
     for subset in subsets:
         free = free_with(subset)
         cost, stored = _min_cut(jaxpr, free, carry_unavailable - free, targets, cheap)
-        cost += sum(_cost(carry_in[i].aval) for i in subset)
+        # A kept carry sequence costs its bytes and wins ties against other single values:
+        # it serves both the carry-in and the carry-out, and is what offload="carries" moves.
+        cost += sum(_nbytes(carry_in[i].aval) * _TIE for i in subset)
         if best is None or cost < best[0]:
             best = (cost, subset, stored, free)
     _, subset, stored, free = best
