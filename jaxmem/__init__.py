@@ -3,6 +3,7 @@
 The public face of the package. Implementation lives in :mod:`jaxmem._src`.
 """
 
+from jaxmem import losses as losses
 from jaxmem import offload as offload
 from jaxmem import policies as policies
 from jaxmem._src.names import NAMES as NAMES
@@ -19,6 +20,8 @@ from jaxmem._src.scan import ForwardModeError as ForwardModeError
 from jaxmem._src.scan import scan as scan
 from jaxmem._src.scan import scan_residuals as scan_residuals
 from jaxmem._src.scan import scanned as scanned
+from jaxmem._src.trainable import merge as merge
+from jaxmem._src.trainable import trainable as trainable
 
 __version__ = "0.1.0"
 
@@ -32,6 +35,8 @@ __all__ = [
     "Residual",
     "ScanPlan",
     "compare",
+    "losses",
+    "merge",
     "name",
     "offload",
     "policies",
@@ -39,4 +44,5 @@ __all__ = [
     "scan",
     "scan_residuals",
     "scanned",
+    "trainable",
 ]

@@ -8,7 +8,9 @@ import pytest
 import jaxmem
 
 PUBLIC_MODULES = ["jaxmem"] + [
-    f"jaxmem.{m}" for m in ("policies", "offload") if importlib.util.find_spec(f"jaxmem.{m}")
+    f"jaxmem.{m}"
+    for m in ("policies", "offload", "losses")
+    if importlib.util.find_spec(f"jaxmem.{m}")
 ]
 
 

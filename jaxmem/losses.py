@@ -1,0 +1,17 @@
+"""Memory-lean losses: :func:`linear_cross_entropy` never materializes the [N, V] logits.
+
+Examples:
+  >>> import jax.numpy as jnp
+  >>> from jaxmem import losses
+  >>> x, w = jnp.ones((4, 8)), jnp.zeros((8, 10))
+  >>> float(losses.linear_cross_entropy(x, w, jnp.arange(4), chunk_size=4))  # log(10)
+  2.302585...
+"""
+
+from jaxmem._src.losses import DEFAULT_CHUNK_SIZE as DEFAULT_CHUNK_SIZE
+from jaxmem._src.losses import linear_cross_entropy as linear_cross_entropy
+
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "linear_cross_entropy",
+]
