@@ -3,6 +3,7 @@
 The public face of the package. Implementation lives in :mod:`jaxmem._src`.
 """
 
+from jaxmem import flax as flax
 from jaxmem import losses as losses
 from jaxmem import offload as offload
 from jaxmem import policies as policies
@@ -35,6 +36,7 @@ __all__ = [
     "Residual",
     "ScanPlan",
     "compare",
+    "flax",
     "losses",
     "merge",
     "name",

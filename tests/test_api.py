@@ -9,7 +9,7 @@ import jaxmem
 
 PUBLIC_MODULES = ["jaxmem"] + [
     f"jaxmem.{m}"
-    for m in ("policies", "offload", "losses")
+    for m in ("policies", "offload", "losses", "flax.linen", "flax.nnx")
     if importlib.util.find_spec(f"jaxmem.{m}")
 ]
 

@@ -1,0 +1,17 @@
+"""jaxmem for Flax NNX: :func:`scan_layers` (stacks run by :func:`jaxmem.scan`) and :func:`remat`.
+
+Examples:
+  >>> from jaxmem.flax import nnx as jn
+  >>> jn.__all__
+  ['ScanLayers', 'remat', 'scan_layers']
+"""
+
+from jaxmem._src.flax_nnx import ScanLayers as ScanLayers
+from jaxmem._src.flax_nnx import remat as remat
+from jaxmem._src.flax_nnx import scan_layers as scan_layers
+
+__all__ = [
+    "ScanLayers",
+    "remat",
+    "scan_layers",
+]
