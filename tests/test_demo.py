@@ -85,3 +85,22 @@ def test_untied_model_has_a_head():
     assert params["head"]["kernel"].shape == (16, 64)
     assert params["blocks"]["qkv"]["kernel"].shape[0] == 1
     assert jnp.issubdtype(params["embed"]["embedding"].dtype, jnp.floating)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_linear_ce_loss_equals_the_logits_loss(tied):
+    cfg = models.GPTConfig(
+        vocab_size=50,
+        seq_len=8,
+        num_layers=2,
+        d_model=16,
+        num_heads=2,
+        d_ff=32,
+        tie_embeddings=tied,
+    )
+    tokens = jax.random.randint(jax.random.key(3), (2, 8), 0, cfg.vocab_size)
+    params = models.GPT(cfg).init(jax.random.key(0), tokens)["params"]
+    ref = jax.value_and_grad(models.next_token_loss(models.GPT(cfg)))(params, tokens)
+    got = jax.value_and_grad(models.linear_ce_next_token_loss(models.GPT(cfg)))(params, tokens)
+    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got), strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6 * float(np.max(np.abs(a))))

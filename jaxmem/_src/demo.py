@@ -41,10 +41,13 @@ class Configuration:
     Attributes:
       scan_impl: Signature of :func:`jax.lax.scan`.
       policy: Remat policy on each block step; None for no remat.
+      linear_ce: Compute the loss with :func:`jaxmem.losses.linear_cross_entropy` (no
+        ``[tokens, vocab]`` logits) instead of optax on the logits.
     """
 
     scan_impl: models.ScanImpl
     policy: models.Policy | None = None
+    linear_ce: bool = False
 
 
 def configurations() -> dict[str, Configuration]:
@@ -69,6 +72,9 @@ def configurations() -> dict[str, Configuration]:
             # carry sequence (the layer inputs) to pinned_host.
             out["jaxmem.scan offload=carries"] = Configuration(
                 functools.partial(lean_scan, offload="carries")
+            )
+            out["jaxmem.scan + selective() + linear CE"] = Configuration(
+                lean_scan, selective, linear_ce=True
             )
     return out
 
@@ -160,7 +166,9 @@ def measure(
     tokens = jax.ShapeDtypeStruct((batch_size, config.seq_len), jnp.int32)
     jit = functools.partial(jax.jit, compiler_options=FAST_COMPILE if fast_compile else None)
     losses = {
-        label: models.next_token_loss(models.GPT(config, c.scan_impl, c.policy))
+        label: (models.linear_ce_next_token_loss if c.linear_ce else models.next_token_loss)(
+            models.GPT(config, c.scan_impl, c.policy)
+        )
         for label, c in configs.items()
     }
     grads = jaxmem.compare({k: jit(jax.grad(f)) for k, f in losses.items()}, params, tokens)

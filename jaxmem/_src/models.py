@@ -124,11 +124,14 @@ class GPT(nn.Module):
       scan_impl: Runs the layer stack; signature of :func:`jax.lax.scan` (e.g. ``jaxmem.scan``).
       policy: Remat policy for ``jax.checkpoint`` around each block step (e.g.
         ``jax.checkpoint_policies.dots_saveable``); None applies no remat.
+      return_hidden: Return the final hidden states ``[batch, seq, d_model]`` instead of the
+        logits (for losses that apply the output projection themselves).
     """
 
     config: GPTConfig
     scan_impl: ScanImpl = jax.lax.scan
     policy: Policy | None = None
+    return_hidden: bool = False
 
     def block(self) -> Block:
         """Returns the (unbound) block module whose parameters are stacked over the layers."""
@@ -162,6 +165,10 @@ class GPT(nn.Module):
         h, _ = self.scan_impl(step, h, blocks)
 
         h = nn.LayerNorm(name="ln_f")(h)
+        if self.return_hidden:
+            if not cfg.tie_embeddings:  # Create the head's parameters all the same.
+                nn.Dense(cfg.vocab_size, use_bias=False, name="head")(h[:1, :1])
+            return h
         if cfg.tie_embeddings:
             return embed.attend(h)
         return nn.Dense(cfg.vocab_size, use_bias=False, name="head")(h)
@@ -176,6 +183,27 @@ def next_token_loss(model: GPT) -> Callable[[Any, jax.Array], jax.Array]:
     def loss(params: Any, tokens: jax.Array) -> jax.Array:
         logits = model.apply({"params": params}, tokens)
         return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:]).mean()
+
+    return loss
+
+
+def linear_ce_next_token_loss(model: GPT) -> Callable[[Any, jax.Array], jax.Array]:
+    """Like :func:`next_token_loss`, with :func:`jaxmem.losses.linear_cross_entropy`.
+
+    The output projection and the cross-entropy run chunk by chunk over the vocabulary, so the
+    ``[batch, seq, vocab]`` logits never exist.
+    """
+    from jaxmem._src.losses import linear_cross_entropy
+
+    hidden_model = model.clone(return_hidden=True)
+
+    def loss(params: Any, tokens: jax.Array) -> jax.Array:
+        h = hidden_model.apply({"params": params}, tokens)
+        if model.config.tie_embeddings:
+            w = params["embed"]["embedding"].T
+        else:
+            w = params["head"]["kernel"]
+        return linear_cross_entropy(h[:, :-1], w, tokens[:, 1:])
 
     return loss
 
