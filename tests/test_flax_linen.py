@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import jaxmem.policies as policies
+from benchmarks import flax as flax_bench
 from jaxmem._src.models import Block as GPTBlock
 from jaxmem.flax import linen as jl
 
@@ -176,16 +177,7 @@ class GPTPair(GPTBlock):
 
 
 def _temp_bytes(model):
-    h = jax.ShapeDtypeStruct((BM, SM, DM), jnp.float32)
-    params = jax.eval_shape(model.init, jax.random.key(0), h)["params"]
-
-    def loss(p, h):
-        out = model.apply({"params": p}, h)
-        out = out[0] if isinstance(out, tuple) else out
-        return jnp.mean(out**2)
-
-    compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, h).compile()
-    return compiled.memory_analysis().temp_size_in_bytes
+    return flax_bench.temp_bytes(model, (BM, SM, DM))
 
 
 def _stock(policy=None):
