@@ -1,0 +1,209 @@
+"""The one door to JAX's internals: everything jaxmem needs beyond JAX's public API.
+
+No other module of jaxmem imports ``jax._src`` (``tests/test_api.py`` fails if one does). What
+can come from public or ``jax.extend`` APIs comes from there, through the names below, so that a
+JAX release that moves something has exactly one place to land. Each name says where it comes
+from, why, and in which versions it differs. Tested on jax 0.10.2 and 0.12.0.1.
+
+Jaxprs: jax 0.12 merged ``ClosedJaxpr`` into ``Jaxpr`` (a jaxpr carries its constants; its
+``.jaxpr`` is itself), and ``jax._src.core.ClosedJaxpr`` no longer exists. On 0.10.x a closed
+jaxpr wraps an open one. :func:`closed_jaxpr`, :func:`open_jaxpr` and :func:`jaxpr_consts` hide
+the difference: code here takes a closed jaxpr apart into ``(jaxpr, consts)`` and builds one
+back, never touching either class directly.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend import core as _xcore
+from jax.extend import source_info_util as _siu
+from jax.extend.core import primitives as _prims
+
+# --- public (jax.extend / jax.core) names, re-exported so that callers have one import ----------
+
+Var = _xcore.Var  # jax.extend.core; constructor: 0.10 Var(aval, qdd...), 0.12 Var(aval).
+Literal = _xcore.Literal  # jax.extend.core
+JaxprEqn = _xcore.JaxprEqn  # jax.extend.core
+Primitive = _xcore.Primitive  # jax.extend.core
+jaxpr_as_fun = _xcore.jaxpr_as_fun  # jax.extend.core: runs a closed jaxpr with JAX's evaluator.
+concrete_or_error = _xcore.concrete_or_error  # jax.extend.core
+Tracer = jax.core.Tracer  # jax.core (public, stable)
+ShapedArray = jax.core.ShapedArray  # jax.core (public, stable)
+summarize_source = _siu.summarize  # jax.extend.source_info_util: "file:line:col (fn)"
+
+device_put_p = _prims.device_put_p  # jax.extend.core.primitives
+name_p = _prims.name_p  # jax.extend.core.primitives: checkpoint_name's primitive
+
+# Primitive names that run a sub-jaxpr as a call: "jit" (0.10, 0.12; "pjit" before), 0.10's
+# "closed_call"/"core_call", and 0.12's "eval_jaxpr" (which replaced them).
+CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call", "eval_jaxpr"})
+LOOP_PRIMITIVES = frozenset({"scan", "while"})
+
+
+def is_closed_jaxpr(x: Any) -> bool:
+    """Whether ``x`` is a closed jaxpr (0.10: ``ClosedJaxpr``; 0.12: a ``Jaxpr``, always closed)."""
+    return isinstance(x, _xcore.ClosedJaxpr)
+
+
+def is_jaxpr(x: Any) -> bool:
+    """Whether ``x`` is an (open or closed) jaxpr."""
+    return isinstance(x, (_xcore.Jaxpr, _xcore.ClosedJaxpr))
+
+
+def open_jaxpr(closed) -> Any:
+    """The open jaxpr of a closed one (0.12: the jaxpr itself)."""
+    return closed.jaxpr
+
+
+def jaxpr_consts(closed) -> list:
+    """The constant values of a closed jaxpr, in the order of its ``constvars``."""
+    return list(closed.consts)
+
+
+def closed_jaxpr(jaxpr, consts: Sequence) -> Any:
+    """Closes ``jaxpr`` over ``consts`` (values of its ``constvars``, in order).
+
+    0.10: ``ClosedJaxpr(jaxpr, consts)``. 0.12: ``ClosedJaxpr`` is ``Jaxpr`` and
+    ``Jaxpr(jaxpr, consts)`` copies ``jaxpr`` with these constants.
+    """
+    return _xcore.ClosedJaxpr(jaxpr, list(consts))
+
+
+def make_jaxpr(
+    jaxpr_like, *, constvars=None, invars=None, outvars=None, eqns=None, effects=None
+) -> Any:
+    """A new open jaxpr from the parts of ``jaxpr_like``, with the given parts replaced.
+
+    Built with the public ``jax.extend.core.Jaxpr`` constructor (both versions accept
+    ``Jaxpr(constvars, invars, outvars, eqns, effects, debug_info)``; on 0.12 the result carries
+    no constants, so close it with :func:`closed_jaxpr`).
+    """
+    j = open_jaxpr(jaxpr_like) if is_closed_jaxpr(jaxpr_like) else jaxpr_like
+    eqns = list(j.eqns if eqns is None else eqns)
+    if effects is None:
+        effects = frozenset().union(*(e.effects for e in eqns)) if eqns else frozenset()
+    invars = list(j.invars if invars is None else invars)
+    outvars = list(j.outvars if outvars is None else outvars)
+    debug_info = _xcore.DebugInfo(
+        "jaxmem", "jaxmem plan", ("",) * len(invars), ("",) * len(outvars)
+    )
+    return _xcore.Jaxpr(
+        list(j.constvars if constvars is None else constvars),
+        invars,
+        outvars,
+        eqns,
+        effects,
+        debug_info,
+    )
+
+
+def new_var(aval) -> Any:
+    """A fresh jaxpr variable of type ``aval`` (the constructor's extra 0.10 arguments default)."""
+    return _xcore.Var(aval)
+
+
+def is_var(v) -> bool:
+    """Whether ``v`` is a jaxpr variable (not a literal)."""
+    return isinstance(v, _xcore.Var)
+
+
+def subjaxprs(eqn) -> list:
+    """The open jaxprs in an equation's parameters (loop bodies, called functions, branches)."""
+    out = []
+    for param in eqn.params.values():
+        for sub in param if isinstance(param, (tuple, list)) else (param,):
+            if is_jaxpr(sub):
+                out.append(open_jaxpr(sub) if is_closed_jaxpr(sub) else sub)
+    return out
+
+
+def eqn_checkpoint_name(eqn) -> str | None:
+    """The name an equation gives its output with ``checkpoint_name``, or None.
+
+    0.10 and 0.12: ``name_p`` with a ``name`` parameter. 0.12 can also stage the name as a
+    higher-order call whose ``_prim`` parameter carries ``.name`` (``CheckpointName``).
+    """
+    if eqn.primitive is name_p:
+        return eqn.params["name"]
+    prim = eqn.params.get("_prim")
+    name = getattr(prim, "name", None)
+    if type(prim).__name__.startswith("CheckpointName") and isinstance(name, str):
+        return name
+    return None
+
+
+# --- types -----------------------------------------------------------------------------------
+
+
+def typematch(a, b) -> bool:
+    """Same shape and dtype, weak type ignored (as ``jax._src.core.typematch`` for arrays)."""
+    return tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype
+
+
+@functools.cache
+def _extended_itemsize(dtype) -> int:
+    # An extended dtype (a typed PRNG key) is stored as its physical representation; its
+    # per-element size is what key_data gives (public API, both versions).
+    phys = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), dtype))
+    return int(np.prod(phys.shape, dtype=np.int64)) * np.dtype(phys.dtype).itemsize
+
+
+def nbytes(aval) -> int:
+    """Bytes of an array value of type ``aval`` (0 for tokens and ``float0``)."""
+    if not hasattr(aval, "shape") or not hasattr(aval, "dtype"):
+        return 0
+    size = int(np.prod(aval.shape, dtype=np.int64))
+    if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended):
+        return size * _extended_itemsize(aval.dtype)
+    dtype = np.dtype(aval.dtype)
+    if dtype == jax.dtypes.float0:
+        return 0
+    return size * dtype.itemsize
+
+
+def is_host(aval) -> bool:
+    """Whether an abstract value lives in host memory (``jax.memory.Space.Host``)."""
+    return getattr(aval, "memory_space", None) == jax.memory.Space.Host
+
+
+# --- private names, each with its reason ------------------------------------------------------
+
+
+def user_frame(source_info):
+    """The innermost user frame of an equation (``file_name``, ``start_line``, ``function_name``).
+
+    Private: ``jax._src.source_info_util.user_frame`` (same in 0.10 and 0.12). The public
+    ``summarize`` gives only a formatted string; this gives the parts without parsing it.
+    """
+    from jax._src import source_info_util
+
+    return source_info_util.user_frame(source_info.traceback)
+
+
+def trace_state_clean() -> bool:
+    """Whether no transformation is being traced (eager, outside jit/grad/vmap).
+
+    Private: ``jax._src.core.trace_state_clean`` (same in 0.10 and 0.12); JAX has no public way to
+    ask whether a call happens inside a trace.
+    """
+    from jax._src import core
+
+    return core.trace_state_clean()
+
+
+def scan_counts(eqn) -> tuple[int, int]:
+    """``(num_consts, num_carry)`` of a ``scan`` equation.
+
+    0.10: the ``num_consts`` and ``num_carry`` parameters. 0.12: the ``ft_in`` parameter, a
+    flat tree of the body's inputs grouped as ``(consts, carry, xs)``.
+    """
+    params = eqn.params
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].elts
+    return len(list(consts.vals)), len(list(carry.vals))
