@@ -23,11 +23,7 @@ from jax.sharding import PartitionSpec as P
 import jaxmem
 from jaxmem import offload
 from jaxmem._src import offload as offload_src
-
-try:
-    from jax.ad_checkpoint import saved_residuals
-except ImportError:  # Not public in every JAX version.
-    from jax._src.ad_checkpoint import saved_residuals
+from jaxmem._src.listing import saved_residuals
 
 L, B, D, F = 3, 2, 4, 8
 SCAN_MODES = ("residuals", "carries", "all", "names")
@@ -436,7 +432,7 @@ def test_fetch_params_does_not_stack_device_copies():
 
     def stacked_shapes(step):
         res = saved_residuals(lambda p, x: jnp.sum(jax.lax.scan(step, x, p)[0]), host, x0)
-        return {a.shape for a, why in res if "argument" not in why}
+        return {r.shape for r in res if r.origin != "argument"}
 
     param_shapes = {(L, D, F), (L, F, D), (L, D), (L, 1, D)}
     assert not stacked_shapes(offload.fetch_params(plain_block)) & param_shapes
@@ -450,11 +446,11 @@ def test_fetch_params_does_not_stack_device_copies():
         return jnp.tanh((h.astype(jnp.bfloat16) @ w).astype(jnp.float32)), None
 
     stacked = {
-        a.shape
-        for a, why in saved_residuals(
+        r.shape
+        for r in saved_residuals(
             lambda w, x: jnp.sum(jax.lax.scan(offload.fetch_params(cast_t), x, w)[0]), ws, x0
         )
-        if "argument" not in why
+        if r.origin != "argument"
     }
     assert (L, D, D) not in stacked
 

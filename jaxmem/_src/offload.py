@@ -54,9 +54,9 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
-from jax._src import core, dispatch
 
 from jaxmem._src import checks
+from jaxmem._src import jax_compat as _jc
 
 if TYPE_CHECKING:
     import optax
@@ -105,7 +105,7 @@ def _check_supported(leaves, caller: str) -> None:
     memory."""
     devices = set()
     for x in leaves:
-        if isinstance(x, jax.Array) and not isinstance(x, core.Tracer):
+        if isinstance(x, jax.Array) and not isinstance(x, _jc.Tracer):
             devices.update(x.devices())
         else:
             devices.add(None)
@@ -125,7 +125,7 @@ def _put(x, kind: str):
     the memory space (a placement annotation when lowered)."""
     if not isinstance(x, jax.Array):
         x = jnp.asarray(x)
-    if isinstance(x, core.Tracer) or not core.trace_state_clean():
+    if isinstance(x, _jc.Tracer) or not _jc.trace_state_clean():
         return jax.device_put(x, _SPACES[kind])
     if x.sharding.memory_kind == kind:
         return x
@@ -235,7 +235,7 @@ class _RefetchToDevice:
     (casts, transposes, reshapes, broadcasts), which the backward step makes again."""
 
     def __call__(self, prim, *_, **params) -> bool:
-        if prim is dispatch.device_put_p:
+        if prim is _jc.device_put_p:
             return not any(d == jax.memory.Space.Device for d in params.get("devices", ()))
         return prim.name not in _MOVES
 

@@ -4,8 +4,9 @@
 ``jax.ShapeDtypeStruct`` placeholders, which allocate nothing) and reads XLA's compile-time
 memory analysis, ``jax.jit(fn).lower(...).compile().memory_analysis()``. When the function
 returns a scalar loss it also lists the residuals that ``jax.grad`` with respect to every argument
-would save between the forward and the backward pass, using JAX's own listing (the one behind
-``jax.ad_checkpoint.print_saved_residuals``), each classified by where it comes from.
+would save between the forward and the backward pass, read from the linearized jaxpr (what
+``jax.ad_checkpoint.print_saved_residuals`` prints, as data), each classified by where it comes
+from.
 :func:`compare` profiles several functions on the same arguments and reports ratios against the
 first one.
 
@@ -19,7 +20,6 @@ import dataclasses
 import json
 import math
 import os
-import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -27,20 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Private on purpose: JAX's saved-residual listing is only public as a printer
-# (jax.ad_checkpoint.print_saved_residuals). This is the single place jaxmem depends on it.
-from jax._src.ad_checkpoint import saved_residuals as _jax_saved_residuals
-
 from jaxmem._src import checks
+from jaxmem._src.listing import ORIGINS, SavedResidual, saved_residuals, short_source
 from jaxmem._src.residuals import ScanPlan
 from jaxmem._src.scan import collect_plans
 
 __all__ = ["Comparison", "MemoryReport", "ProfileError", "Residual", "compare", "profile"]
-
-ORIGINS = ("argument", "constant", "loop-stacked", "other")
-"""The residual origins, in the order tables and totals list them."""
-
-_LOOP_PRIMITIVES = frozenset({"scan", "while"})
 
 # (field name, short label) of the compiled memory figures, in display order.
 _MEMORY_FIELDS = (
@@ -146,10 +138,6 @@ def _md_table(header: list[str], rows: list[list[str]], right: set[int]) -> str:
     return "\n".join("| " + " | ".join(esc(c) for c in cells) + " |" for cells in lines)
 
 
-def _short_source(source: str) -> str:
-    return os.path.basename(source) if source else ""
-
-
 # --------------------------------------------------------------------------------------------
 # Data classes
 
@@ -168,7 +156,8 @@ class Residual:
         source: ``"path/file.py:LINE"`` of the equation that produced it, ``""`` if unknown
             (arguments and constants have none).
         function: name of the user function enclosing that equation, ``""`` if unknown.
-        description: JAX's own description, e.g. ``"output of scan from f.py:11:7 (loss)"``.
+        description: the description ``jax.ad_checkpoint.print_saved_residuals`` gives it, e.g.
+            ``"output of scan from f.py:11 (loss)"``.
 
     Examples:
         >>> r = Residual((2, 4), "float32", 32, "other", "f.py:3", "loss", "output of tanh")
@@ -329,7 +318,7 @@ class MemoryReport:
                 f"{r.bytes:,}",
                 format_bytes(r.bytes),
                 r.origin,
-                _short_source(r.source),
+                short_source(r.source),
                 r.function,
             ]
             for r in self.residuals or ()
@@ -660,68 +649,11 @@ def _new_figure(figsize: tuple[float, float]) -> Any:
 
 
 # --------------------------------------------------------------------------------------------
-# Residual classification
-
-_SOURCE_RE = re.compile(r"^(?P<file>.+?):(?P<line>\d+)(?::\d+)? \((?P<function>.*)\)$")
-_OUTPUT_RE = re.compile(r"^output of (?P<prim>\S+) from (?P<src>.*)$", re.DOTALL)
-_JITTED_RE = re.compile(r"^output of jitted function '(?P<name>.*)' from (?P<src>.*)$", re.DOTALL)
-_NAMED_RE = re.compile(r"^named '(?P<name>.*)' from (?P<src>.*)$", re.DOTALL)
+# Residuals, from the structured listing
 
 
-def _parse_source(src: str) -> tuple[str, str]:
-    """``"file.py:11:7 (loss)"`` -> ``("file.py:11", "loss")``; unknown -> ``("", "")``."""
-    src = src.strip().splitlines()[-1] if src.strip() else ""
-    m = _SOURCE_RE.match(src)
-    if not m:
-        return "", ""
-    return f"{m['file']}:{m['line']}", m["function"]
-
-
-def classify(description: str) -> tuple[str, str, str]:
-    """Origin, source and function of a residual from JAX's description of it.
-
-    Args:
-        description: one description from JAX's saved-residual listing.
-
-    Returns:
-        ``(origin, source, function)``: origin is ``"argument"`` for ``"from the argument ..."``,
-        ``"constant"`` for constants and literals, ``"loop-stacked"`` for outputs of ``scan`` or
-        ``while`` (also when the loop runs inside a custom VJP's forward rule, which JAX inlines),
-        ``"other"`` for everything else (including outputs of nested jitted functions).
-
-    Examples:
-        >>> classify("output of scan from /src/f.py:11:7 (loss)")
-        ('loop-stacked', '/src/f.py:11', 'loss')
-        >>> classify("output of tanh from f.py:3 (<lambda>)")
-        ('other', 'f.py:3', '<lambda>')
-        >>> classify("from the argument W")
-        ('argument', '', '')
-        >>> classify("from a literal")
-        ('constant', '', '')
-    """
-    if description.startswith("from the argument"):
-        return "argument", "", ""
-    if description in ("from a constant", "from a literal"):
-        return "constant", "", ""
-    for regex in (_JITTED_RE, _NAMED_RE):
-        if m := regex.match(description):
-            return ("other", *_parse_source(m["src"]))
-    if m := _OUTPUT_RE.match(description):
-        origin = "loop-stacked" if m["prim"] in _LOOP_PRIMITIVES else "other"
-        return (origin, *_parse_source(m["src"]))
-    return "other", "", ""
-
-
-def _residual(aval: Any, description: str) -> Residual:
-    shape = tuple(int(d) for d in getattr(aval, "shape", ()))
-    dtype = aval.dtype
-    try:
-        dtype_name = np.dtype(dtype).name
-    except TypeError:  # extended dtypes, e.g. PRNG keys
-        dtype_name = str(dtype)
-    nbytes = math.prod(shape) * int(dtype.itemsize)
-    origin, source, function = classify(description)
-    return Residual(shape, dtype_name, nbytes, origin, source, function, description)
+def _residual(r: SavedResidual) -> Residual:
+    return Residual(r.shape, r.dtype, r.bytes, r.origin, r.source, r.function, r.description)
 
 
 def _is_scalar_loss(out_info: Any) -> bool:
@@ -747,7 +679,7 @@ def profile(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryReport:
 
     If ``fn`` returns a scalar of an inexact dtype (decided from the lowered output shape), the
     report also lists the residuals that the gradient with respect to all arguments would save,
-    from JAX's own listing (as ``jax.ad_checkpoint.print_saved_residuals`` prints it), largest
+    as ``jax.ad_checkpoint.print_saved_residuals`` would print them, largest
     first. That listing traces every argument, so static arguments of a jitted ``fn`` are not
     supported there: bind them with :func:`functools.partial` instead.
 
@@ -874,14 +806,14 @@ def _profile(
         inner = fn.__wrapped__ if jitted else fn
         try:
             with collect_plans() as plans:
-                listing = _jax_saved_residuals(inner, *args, **kwargs)
+                listing = saved_residuals(inner, *args, **kwargs)
         except Exception as e:
             hint = (
                 " (the residual listing traces every argument; bind static arguments with "
                 "functools.partial)"
             )
             raise fail("list the gradient residuals of", e, hint) from e
-        items = [_residual(aval, desc) for aval, desc in listing]
+        items = [_residual(r) for r in listing]
         residuals = tuple(sorted(items, key=lambda r: -r.bytes))
 
     return MemoryReport(

@@ -1,4 +1,4 @@
-"""Residual analysis of one scan step: what its VJP saves, and where each value can come from.
+"""Residual analysis of one scan step, and the plan :func:`jaxmem.scan` runs, as small jaxprs.
 
 This module traces one step ``(consts, carry, x) -> (carry', y)`` under :func:`jax.vjp`, takes the
 residuals the VJP closes over, and decides for each one how the backward pass of
@@ -13,11 +13,16 @@ residuals the VJP closes over, and decides for each one how the backward pass of
 * ``"stacked"``: the residual itself is one of the *partial activations*, the values the forward
   loop emits per step.
 
-Which values to stack is a minimum cut: every residual must be reachable from stored values
-through cheap equations only, and the bytes stored per step are minimised (a max-flow / min-cut
-over the step's dataflow graph, with each variable split into an in- and an out-node whose edge
-costs the variable's size). Whether to keep each carry leaf's sequence is decided on top of it, by
-trying the subsets of carry leaves that some residual could use.
+Which values to stack is a minimum cut (:mod:`jaxmem._src.mincut`): every residual must be
+reachable from stored values through cheap equations only, and the bytes stored per step are
+minimised. Whether to keep each carry leaf's sequence is decided on top of it, by trying the
+subsets of carry leaves that some residual could use.
+
+:func:`plan_step` reads as its steps: :func:`trace_step_vjp`, :func:`loop_invariants`,
+:func:`carry_candidates`, :func:`choose_stores` (the min-cut), :func:`classify`, and
+:func:`build_jaxprs`, which cuts the traced jaxpr into the three closed jaxprs the custom VJP
+runs with JAX's own evaluator: ``hoist`` (loop invariants, once), ``forward`` (one step emitting
+carry, ys and the partial activations) and ``rebuild`` (one backward step's residuals).
 
 References:
   torch_xla scan "partial activations" (only non-aliased residuals are returned by the forward).
@@ -27,20 +32,21 @@ References:
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
-from jax._src import core, source_info_util
+
+from jaxmem._src import jax_compat as jc
+from jaxmem._src import mincut
 
 # Primitives whose recomputation in the backward step is cheap: elementwise arithmetic and
 # transcendental functions, comparisons and selects, type conversions and pure data movement
 # (and device_put *to device*, see _is_cheap: re-fetching a host-resident slice beats stacking a
 # device copy of it, while a copy *to host* is what an offloading policy wants stored).
+# jax 0.12 adds log2, one_minus_square (tanh's derivative) and polynomial (elementwise).
 # Not here on purpose: dot_general, conv, reductions, cumulative ops, sort, gather/scatter,
 # random number generation, control flow.
 CHEAP_PRIMITIVES: frozenset[str] = frozenset(
@@ -48,8 +54,9 @@ CHEAP_PRIMITIVES: frozenset[str] = frozenset(
     abs acos acosh add and asin asinh atan atan2 atanh bitcast_convert_type broadcast_in_dim cbrt
     ceil clamp complex concatenate conj convert_element_type copy copy_p cos cosh div
     dynamic_slice eq erf erf_inv erfc exp exp2 expand_dims expm1 floor ge gt imag integer_pow
-    iota is_finite le log log1p logistic lt max min mul name ne neg nextafter not or pad
-    population_count pow real reduce_precision rem reshape rev round rsqrt select_n
+    iota is_finite le log log1p log2 logistic lt max min mul name ne neg nextafter not
+    one_minus_square or pad polynomial population_count pow real reduce_precision rem reshape
+    rev round rsqrt select_n
     shift_left shift_right_arithmetic shift_right_logical sign sin sinh slice split sqrt square
     squeeze sub tan tanh transpose xor
     """.split()
@@ -58,17 +65,8 @@ CHEAP_PRIMITIVES: frozenset[str] = frozenset(
 # Where a residual comes from in the backward pass.
 RESIDUAL_CLASSES = ("xs", "const", "carry", "ys", "recomputed", "stacked")
 
-
-def _nbytes(aval) -> int:
-    if not hasattr(aval, "shape"):
-        return 0
-    if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended):  # e.g. typed PRNG keys
-        aval = core.physical_aval(aval)
-    dtype = np.dtype(aval.dtype)
-    if dtype == jax.dtypes.float0:
-        return 0
-    return int(np.prod(aval.shape, dtype=np.int64)) * dtype.itemsize
-
+_nbytes = jc.nbytes
+_is_var = jc.is_var
 
 # Costs are bytes scaled by _TIE plus one per stored value: among cuts of equal bytes, the one
 # storing fewer values (hence recomputing less) wins.
@@ -84,114 +82,18 @@ def _is_cheap(eqn) -> bool:
     if name in CHEAP_PRIMITIVES:
         return True
     if name == "device_put":
-        return all(
-            getattr(v.aval, "memory_space", None) != core.MemorySpace.Host for v in eqn.outvars
-        )
-    if name in ("jit", "pjit", "closed_call", "core_call"):
-        inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
-        inner = getattr(inner, "jaxpr", inner)
-        return inner is not None and all(_is_cheap(e) for e in inner.eqns)
+        return not any(jc.is_host(v.aval) for v in eqn.outvars)
+    if name in jc.CALL_PRIMITIVES:
+        return all(_is_cheap(e) for sub in jc.subjaxprs(eqn) for e in sub.eqns)
     return False
-
-
-def _is_var(v) -> bool:
-    return isinstance(v, core.Var)
-
-
-@dataclasses.dataclass
-class StepAnalysis:
-    """The plan for one scan step (internal).
-
-    Attributes:
-      jaxpr: the forward-with-residuals jaxpr ``J``: inputs ``(*consts, *carry, *x)``, outputs
-        ``(*carry_out, *y, *residuals)``.
-      jaxpr_consts: values of ``J``'s constvars (concrete arrays).
-      n_consts, n_carry, n_x, n_y, n_res: the sizes of the groups above.
-      res_treedef: tree structure of the VJP function; its leaves are the residuals.
-      res_classes: one of RESIDUAL_CLASSES per residual.
-      stacked_vars: the partial activations: variables of ``J`` emitted per step.
-      hoisted_vars: variables computed from constants only that the backward step reads.
-      stack_carry: per carry leaf, whether the carry sequence of that leaf is kept.
-      carry_from_y: per carry leaf, the index of a y output that *is* its carry-out (so the carry
-        sequence is read from ys, shifted by one step, and init), or -1.
-      carry_in_read: per carry leaf, whether the backward step reads its carry-in.
-      need_y: per y leaf, whether the backward step reads it.
-      recompute_eqns: the equations of ``J`` the backward step evaluates, in order.
-    """
-
-    jaxpr: Any
-    jaxpr_consts: list
-    n_consts: int
-    n_carry: int
-    n_x: int
-    n_y: int
-    n_res: int
-    res_treedef: Any
-    res_classes: list[str]
-    stacked_vars: list
-    hoisted_vars: list
-    stack_carry: list[bool]
-    carry_from_y: list[int]
-    carry_in_read: list[bool]
-    need_y: list[bool]
-    recompute_eqns: list
-
-    # --- variable groups of J --------------------------------------------------------------
-    @property
-    def const_invars(self):
-        return self.jaxpr.invars[: self.n_consts]
-
-    @property
-    def carry_invars(self):
-        return self.jaxpr.invars[self.n_consts : self.n_consts + self.n_carry]
-
-    @property
-    def x_invars(self):
-        return self.jaxpr.invars[self.n_consts + self.n_carry :]
-
-    @property
-    def carry_outvars(self):
-        return self.jaxpr.outvars[: self.n_carry]
-
-    @property
-    def y_outvars(self):
-        return self.jaxpr.outvars[self.n_carry : self.n_carry + self.n_y]
-
-    @property
-    def res_outvars(self):
-        return self.jaxpr.outvars[self.n_carry + self.n_y :]
 
 
 def iter_eqns(jaxpr):
     """Yields the equations of ``jaxpr`` and, recursively, of the jaxprs in their parameters."""
     for eqn in jaxpr.eqns:
         yield eqn
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                if isinstance(sub, core.ClosedJaxpr):
-                    yield from iter_eqns(sub.jaxpr)
-                elif isinstance(sub, core.Jaxpr):
-                    yield from iter_eqns(sub)
-
-
-def eval_eqns(eqns, env: dict) -> None:
-    """Evaluates ``eqns`` in order, reading and writing ``env`` (as :func:`jax.core.eval_jaxpr`)."""
-
-    def read(v):
-        return v.val if isinstance(v, core.Literal) else env[v]
-
-    for eqn in eqns:
-        bind_params = eqn.primitive.get_bind_params(eqn.params)
-        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-        with (
-            source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
-            eqn.ctx.manager,
-        ):
-            ans = eqn.primitive.bind(*map(read, eqn.invars), **bind_params)
-        if eqn.primitive.multiple_results:
-            env.update(zip(eqn.outvars, ans, strict=True))
-        else:
-            env[eqn.outvars[0]] = ans
+        for sub in jc.subjaxprs(eqn):
+            yield from iter_eqns(sub)
 
 
 def needed_eqns(eqns, targets, available) -> list:
@@ -218,256 +120,268 @@ def needed_eqns(eqns, targets, available) -> list:
 
 
 # ------------------------------------------------------------------------------------------
-# Max-flow / min-cut. Graphs here have a few thousand nodes at most.
+# Step 1: the step's VJP as one jaxpr J: (*consts, *carry, *x) -> (*carry', *y, *residuals).
 
 
-class _FlowGraph:
-    def __init__(self):
-        self.adj: list[list[int]] = []
-        self.to: list[int] = []
-        self.cap: list[int] = []
+@dataclasses.dataclass(frozen=True)
+class TracedStep:
+    """The forward-with-residuals jaxpr of one step and its variable groups.
 
-    def node(self) -> int:
-        self.adj.append([])
-        return len(self.adj) - 1
-
-    def edge(self, u: int, v: int, c: int) -> None:
-        self.adj[u].append(len(self.to))
-        self.to.append(v)
-        self.cap.append(c)
-        self.adj[v].append(len(self.to))
-        self.to.append(u)
-        self.cap.append(0)
-
-    def max_flow(self, s: int, t: int) -> int:
-        """Edmonds-Karp: shortest augmenting paths, iterative (no recursion limit)."""
-        flow = 0
-        n = len(self.adj)
-        while True:
-            parent_edge = [-1] * n
-            parent_edge[s] = -2
-            q = collections.deque([s])
-            while q and parent_edge[t] == -1:
-                u = q.popleft()
-                for e in self.adj[u]:
-                    v = self.to[e]
-                    if self.cap[e] > 0 and parent_edge[v] == -1:
-                        parent_edge[v] = e
-                        q.append(v)
-            if parent_edge[t] == -1:
-                return flow
-            bottleneck, v = None, t
-            while v != s:
-                e = parent_edge[v]
-                bottleneck = self.cap[e] if bottleneck is None else min(bottleneck, self.cap[e])
-                v = self.to[e ^ 1]
-            v = t
-            while v != s:
-                e = parent_edge[v]
-                self.cap[e] -= bottleneck
-                self.cap[e ^ 1] += bottleneck
-                v = self.to[e ^ 1]
-            flow += bottleneck
-
-    def source_side(self, s: int) -> set[int]:
-        seen = {s}
-        q = collections.deque([s])
-        while q:
-            u = q.popleft()
-            for e in self.adj[u]:
-                if self.cap[e] > 0 and self.to[e] not in seen:
-                    seen.add(self.to[e])
-                    q.append(self.to[e])
-        return seen
-
-
-def _min_cut(jaxpr, free: set, unavailable: set, targets: list, cheap: Callable) -> tuple[int, set]:
-    """Cheapest set of variables to store so that ``targets`` are recomputable (see module doc).
-
-    Returns (bytes per step, set of stored variables). Free variables cost nothing; unavailable
-    ones cannot be stored; targets that are neither must be stored or recomputed through cheap
-    equations from stored or free variables.
+    Attributes:
+      jaxpr: the open jaxpr ``J``.
+      consts: values of ``J``'s constvars (concrete arrays).
+      const_in, carry_in, x_in: ``J``'s input variables, by group.
+      carry_out, y_out, res_out: ``J``'s outputs (variables or literals), by group.
+      res_treedef: tree structure of the VJP function; its leaves are the residuals.
     """
-    g = _FlowGraph()
-    src, sink = g.node(), g.node()
-    total = sum(_nbytes(v.aval) for e in jaxpr.eqns for v in e.outvars) + sum(
-        _nbytes(v.aval) for v in itertools.chain(jaxpr.invars, jaxpr.constvars)
-    )
-    inf = 4 * _TIE * (total + len(jaxpr.eqns) + len(jaxpr.invars)) + 1
-    nodes: dict[Any, tuple[int, int]] = {}
 
-    def var_nodes(v):
-        if v not in nodes:
-            nodes[v] = (g.node(), g.node())
-        return nodes[v]
-
-    for v in itertools.chain(jaxpr.constvars, jaxpr.invars):
-        vin, vout = var_nodes(v)
-        if v in unavailable and v not in free:
-            g.edge(src, vout, inf)
-    for eqn in jaxpr.eqns:
-        is_cheap = cheap(eqn)
-        for v in eqn.outvars:
-            vin, vout = var_nodes(v)
-            if v in free:
-                continue
-            g.edge(vin, vout, _cost(v.aval))
-            if is_cheap:
-                for u in eqn.invars:
-                    if _is_var(u):
-                        g.edge(var_nodes(u)[1], vin, inf)
-            else:
-                g.edge(src, vin, inf)
-    for v in targets:
-        if _is_var(v):
-            g.edge(var_nodes(v)[1], sink, inf)
-    cost = g.max_flow(src, sink)
-    if cost >= inf:
-        return cost, set()
-    side = g.source_side(src)
-    stored = {v for v, (vin, vout) in nodes.items() if vin in side and vout not in side}
-    return cost, stored
+    jaxpr: Any
+    consts: list
+    const_in: list
+    carry_in: list
+    x_in: list
+    carry_out: list
+    y_out: list
+    res_out: list
+    res_treedef: Any
 
 
-def analyze_step(
-    body_jaxpr: core.ClosedJaxpr,
-    n_consts: int,
-    n_carry: int,
-    const_avals: Sequence,
-    carry_avals: Sequence,
-    x_avals: Sequence,
-    recompute: str,
-) -> StepAnalysis:
-    """Traces the VJP of one step and plans where each residual comes from.
+def _struct(aval) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
+
+
+def trace_step_vjp(body, n_consts: int, n_carry: int, in_avals: Sequence) -> TracedStep:
+    """Traces ``jax.vjp`` of one step; its residuals become outputs of the returned jaxpr.
 
     Args:
-      body_jaxpr: closed jaxpr of the step: inputs ``(*consts, *carry, *x)``, outputs
+      body: closed jaxpr of the step: inputs ``(*consts, *carry, *x)``, outputs
         ``(*carry_out, *y)``.
       n_consts: number of constant inputs.
       n_carry: number of carry leaves.
-      const_avals, carry_avals, x_avals: abstract values of the inputs.
-      recompute: ``"cheap"`` or ``"none"``.
-
-    Returns:
-      A :class:`StepAnalysis`.
+      in_avals: abstract values of all inputs, in order.
     """
-    n_out = len(body_jaxpr.jaxpr.outvars)
-    n_y = n_out - n_carry
+    step_fn = jc.jaxpr_as_fun(body)
     treedef_box = []
 
-    def step(consts, carry, x):
-        outs = core.eval_jaxpr(body_jaxpr.jaxpr, body_jaxpr.consts, *consts, *carry, *x)
-        return outs[:n_carry], outs[n_carry:]
+    def fwd_step(*args):
+        def step(consts, carry, x):
+            outs = step_fn(*consts, *carry, *x)
+            return list(outs[:n_carry]), list(outs[n_carry:])
 
-    def fwd_step(consts, carry, x):
-        (c_out, y), vjp_fn = jax.vjp(step, consts, carry, x)
+        groups = (args[:n_consts], args[n_consts : n_consts + n_carry], args[n_consts + n_carry :])
+        (c_out, y), vjp_fn = jax.vjp(step, *map(list, groups))
         res, treedef = jax.tree_util.tree_flatten(vjp_fn)
         treedef_box.append(treedef)
         return c_out, y, res
 
-    structs = [
-        [
-            jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
-            for a in g
-        ]
-        for g in (const_avals, carry_avals, x_avals)
-    ]
-    closed = jax.make_jaxpr(fwd_step)(*structs)
-    jaxpr = closed.jaxpr
-    n_x = len(x_avals)
-    n_res = len(jaxpr.outvars) - n_carry - n_y
-    consts_in = jaxpr.invars[:n_consts]
-    carry_in = jaxpr.invars[n_consts : n_consts + n_carry]
-    x_in = jaxpr.invars[n_consts + n_carry :]
-    carry_out = jaxpr.outvars[:n_carry]
-    y_out = jaxpr.outvars[n_carry : n_carry + n_y]
-    res_out = jaxpr.outvars[n_carry + n_y :]
+    closed = jax.make_jaxpr(fwd_step)(*map(_struct, in_avals))
+    jaxpr = jc.open_jaxpr(closed)
+    n_y = len(jc.open_jaxpr(body).outvars) - n_carry
+    ins, outs = list(jaxpr.invars), list(jaxpr.outvars)
+    return TracedStep(
+        jaxpr=jaxpr,
+        consts=jc.jaxpr_consts(closed),
+        const_in=ins[:n_consts],
+        carry_in=ins[n_consts : n_consts + n_carry],
+        x_in=ins[n_consts + n_carry :],
+        carry_out=outs[:n_carry],
+        y_out=outs[n_carry : n_carry + n_y],
+        res_out=outs[n_carry + n_y :],
+        res_treedef=treedef_box[-1],
+    )
 
-    # Loop invariants: variables computed from constants only (JAX hoists these out of the loop).
-    const_only = set(jaxpr.constvars) | set(consts_in)
-    for eqn in jaxpr.eqns:
+
+# ------------------------------------------------------------------------------------------
+# Step 2: loop invariants.
+
+
+def loop_invariants(traced: TracedStep) -> set:
+    """Variables computed from constants only (JAX hoists these out of the loop; so do we)."""
+    const_only = set(traced.jaxpr.constvars) | set(traced.const_in)
+    for eqn in traced.jaxpr.eqns:
         if eqn.effects:
             continue
         if all((not _is_var(u)) or u in const_only for u in eqn.invars):
             const_only.update(eqn.outvars)
+    return const_only
 
-    base_free = const_only | set(x_in) | {v for v in y_out if _is_var(v)}
-    # A carry leaf whose carry-out is a y output: its whole sequence is ys (shifted) plus init.
-    carry_from_y = [
-        y_out.index(carry_out[i]) if _is_var(carry_out[i]) and carry_out[i] in y_out else -1
-        for i in range(n_carry)
+
+# ------------------------------------------------------------------------------------------
+# Step 3: which carry sequences could be kept.
+
+
+def carry_from_ys(traced: TracedStep) -> list[int]:
+    """Per carry leaf, the index of a y output that *is* its carry-out, or -1.
+
+    Such a leaf's whole sequence is ys (shifted by one step) plus init: it is free.
+    """
+    return [
+        traced.y_out.index(c) if _is_var(c) and c in traced.y_out else -1 for c in traced.carry_out
     ]
-    base_free |= {carry_in[i] for i in range(n_carry) if carry_from_y[i] >= 0}
-    cheap = _is_cheap if recompute == "cheap" else (lambda eqn: False)
-    targets = [v for v in res_out if _is_var(v)]
 
-    # Carry leaves some residual could read (directly or through cheap recomputation).
-    def free_with(leaves):
-        free = set(base_free)
-        for i in leaves:
-            free.add(carry_in[i])
-            if _is_var(carry_out[i]):
-                free.add(carry_out[i])
-        return free
 
-    carry_unavailable = set(carry_in)
-    candidates = [
-        i for i in range(n_carry) if _nbytes(carry_in[i].aval) > 0 and carry_from_y[i] < 0
-    ]
-    best = None
-    if len(candidates) <= 6:
-        subsets = itertools.chain.from_iterable(
-            itertools.combinations(candidates, k) for k in range(len(candidates) + 1)
+def carry_candidates(traced: TracedStep, from_y: Sequence[int]) -> list[tuple[int, ...]]:
+    """The subsets of carry leaves whose kept sequence the min-cut is asked to consider.
+
+    Leaves with bytes that are not already free (read from ys). All subsets of up to 6 such
+    leaves; beyond that none, all, and all-but-one.
+    """
+    cands = [i for i, v in enumerate(traced.carry_in) if _nbytes(v.aval) > 0 and from_y[i] < 0]
+    if len(cands) <= 6:
+        return list(
+            itertools.chain.from_iterable(
+                itertools.combinations(cands, k) for k in range(len(cands) + 1)
+            )
         )
-    else:  # Too many to try them all: none, all, and all-but-one.
-        subsets = [(), tuple(candidates)] + [
-            tuple(c for c in candidates if c != i) for i in candidates
-        ]
-    for subset in subsets:
-        free = free_with(subset)
-        cost, stored = _min_cut(jaxpr, free, carry_unavailable - free, targets, cheap)
+    return [(), tuple(cands)] + [tuple(c for c in cands if c != i) for i in cands]
+
+
+# ------------------------------------------------------------------------------------------
+# Step 4: the min-cut.
+
+
+@dataclasses.dataclass(frozen=True)
+class Stores:
+    """What the backward step has: kept carry leaves, stored values, and everything free."""
+
+    kept_carry: tuple[int, ...]
+    stored: frozenset
+    free: frozenset
+
+
+def _graph(jaxpr, cheap: Callable):
+    costs = {v: _cost(v.aval) for v in itertools.chain(jaxpr.constvars, jaxpr.invars)}
+    ops = []
+    for eqn in jaxpr.eqns:
+        costs.update((v, _cost(v.aval)) for v in eqn.outvars)
+        inputs = tuple(u for u in eqn.invars if _is_var(u))
+        ops.append(mincut.Op(inputs, tuple(eqn.outvars), cheap(eqn)))
+    return costs, ops
+
+
+def choose_stores(
+    traced: TracedStep,
+    base_free: set,
+    candidates: Sequence[tuple[int, ...]],
+    cheap: Callable,
+) -> Stores:
+    """The cheapest stores over the candidate carry subsets (a kept carry costs its bytes)."""
+    targets = [v for v in traced.res_out if _is_var(v)]
+    costs, ops = _graph(traced.jaxpr, cheap)
+    best = None
+    for subset in candidates:
+        free = set(base_free)
+        for i in subset:
+            free.add(traced.carry_in[i])
+            if _is_var(traced.carry_out[i]):
+                free.add(traced.carry_out[i])
+        cost, stored = mincut.min_cut(costs, ops, free, set(traced.carry_in) - free, targets)
+        if cost is None:
+            continue
         # A kept carry sequence costs its bytes and wins ties against other single values:
         # it serves both the carry-in and the carry-out, and is what offload="carries" moves.
-        cost += sum(_nbytes(carry_in[i].aval) * _TIE for i in subset)
+        cost += sum(_nbytes(traced.carry_in[i].aval) * _TIE for i in subset)
         if best is None or cost < best[0]:
-            best = (cost, subset, stored, free)
-    _, subset, stored, free = best
-    stack_carry = [i in subset for i in range(n_carry)]
+            best = (cost, Stores(tuple(subset), stored, frozenset(free)))
+    if best is None:
+        raise AssertionError("jaxmem internal error: no store set makes the residuals available")
+    return best[1]
 
-    # Plan the backward step: what it evaluates, and from what.
-    available = free | stored
-    recompute_eqns = needed_eqns(jaxpr.eqns, targets, available)
-    for eqn in recompute_eqns:
-        assert cheap(eqn), eqn
-    read_by_bwd = set(targets) | {u for e in recompute_eqns for u in e.invars if _is_var(u)}
-    eqn_outs = {v for e in jaxpr.eqns for v in e.outvars}
-    hoisted = [
-        v
-        for v in dict.fromkeys(itertools.chain(targets, stored, read_by_bwd))
-        if v in const_only and v in eqn_outs and v in available
-    ]
-    stored_per_step = [v for v in dict.fromkeys(stored) if v not in const_only]
-    y_set = {v for v in y_out if _is_var(v)}
-    carry_in_read = [carry_in[i] in read_by_bwd for i in range(n_carry)]
-    need_y = [_is_var(v) and v in read_by_bwd and v not in const_only for v in y_out]
-    for i, j in enumerate(carry_from_y):
-        if j >= 0 and carry_in_read[i]:
-            need_y[j] = True
+
+# ------------------------------------------------------------------------------------------
+# Step 5: classification, and the whole plan of one step.
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """The plan for one scan step: what to keep, and the three jaxprs that run it.
+
+    Attributes:
+      traced: the step's VJP (:class:`TracedStep`).
+      res_classes: one of RESIDUAL_CLASSES per residual.
+      stacked_vars: the partial activations: variables of ``J`` emitted per step.
+      hoisted_vars: variables computed from constants only that the backward step reads.
+      stack_carry: per carry leaf, whether the carry sequence of that leaf is kept.
+      carry_from_y: per carry leaf, the index of a y output that *is* its carry-out, or -1.
+      carry_in_read: per carry leaf, whether the backward step reads its carry-in.
+      need_y: per y leaf, whether the backward step reads it.
+      hoist: closed jaxpr ``(*consts) -> (*hoisted)``.
+      forward: closed jaxpr ``(*consts, *hoisted, *carry, *x) -> (*carry', *y, *stacked)``.
+      rebuild: closed jaxpr ``(*consts, *hoisted, *x, *ys_read, *kept_carry_out,
+        *kept_carry_in, *carry_in_from_ys, *stacked) -> (*residuals)``; its input groups are
+        :attr:`rebuild_inputs`.
+    """
+
+    traced: TracedStep
+    res_classes: tuple[str, ...]
+    stacked_vars: tuple
+    hoisted_vars: tuple
+    stack_carry: tuple[bool, ...]
+    carry_from_y: tuple[int, ...]
+    carry_in_read: tuple[bool, ...]
+    need_y: tuple[bool, ...]
+    hoist: Any
+    forward: Any
+    rebuild: Any
+
+    # Variable groups of J, by name.
+    @property
+    def const_invars(self):
+        return self.traced.const_in
+
+    @property
+    def carry_invars(self):
+        return self.traced.carry_in
+
+    @property
+    def x_invars(self):
+        return self.traced.x_in
+
+    @property
+    def carry_outvars(self):
+        return self.traced.carry_out
+
+    @property
+    def y_outvars(self):
+        return self.traced.y_out
+
+    @property
+    def res_outvars(self):
+        return self.traced.res_out
+
+    @property
+    def res_treedef(self):
+        return self.traced.res_treedef
+
+    @property
+    def carry_read_from_y(self) -> tuple[tuple[int, int], ...]:
+        """``(carry leaf, index among the ys read)`` for carry-ins read from the ys sequence."""
+        ys_read = [i for i, n in enumerate(self.need_y) if n]
+        return tuple(
+            (i, ys_read.index(j))
+            for i, (j, r) in enumerate(zip(self.carry_from_y, self.carry_in_read, strict=True))
+            if j >= 0 and r
+        )
+
+
+def classify(traced: TracedStep, const_only: set, stores: Stores, from_y) -> tuple[str, ...]:
+    """Where the backward step gets each residual (one of RESIDUAL_CLASSES)."""
+    n_carry = len(traced.carry_in)
+    x_set = set(traced.x_in)
+    stored = {v for v in stores.stored if v not in const_only}
     carry_set = (
-        {carry_in[i] for i in subset}
-        | {carry_out[i] for i in subset if _is_var(carry_out[i])}
-        | {carry_in[i] for i in range(n_carry) if carry_from_y[i] >= 0}
+        {traced.carry_in[i] for i in stores.kept_carry}
+        | {traced.carry_out[i] for i in stores.kept_carry if _is_var(traced.carry_out[i])}
+        | {traced.carry_in[i] for i in range(n_carry) if from_y[i] >= 0}
     )
-    stored_set = set(stored_per_step)
-    consts_set = set(consts_in) | set(jaxpr.constvars)
-
+    y_set = {v for v in traced.y_out if _is_var(v)}
     classes = []
-    for v in res_out:
+    for v in traced.res_out:
         if not _is_var(v) or v in const_only:
             classes.append("const")
-        elif v in set(x_in):
+        elif v in x_set:
             classes.append("xs")
-        elif v in stored_set:
+        elif v in stored:
             classes.append("stacked")
         elif v in carry_set:
             classes.append("carry")
@@ -475,24 +389,121 @@ def analyze_step(
             classes.append("ys")
         else:
             classes.append("recomputed")
-    del consts_set
-    return StepAnalysis(
-        jaxpr=jaxpr,
-        jaxpr_consts=list(closed.consts),
-        n_consts=n_consts,
-        n_carry=n_carry,
-        n_x=n_x,
-        n_y=n_y,
-        n_res=n_res,
-        res_treedef=treedef_box[-1],
-        res_classes=classes,
-        stacked_vars=stored_per_step,
+    return tuple(classes)
+
+
+def _distinct_invars(groups: Sequence[Sequence]) -> list:
+    """Input variables for a jaxpr from ``groups``; a repeated variable's later places (and
+    literals) get fresh, unused variables: the caller passes the same value to each place."""
+    seen, out = set(), []
+    for v in itertools.chain.from_iterable(groups):
+        if _is_var(v) and v not in seen:
+            seen.add(v)
+            out.append(v)
+        else:
+            out.append(jc.new_var(v.aval))
+    return out
+
+
+def _sub_jaxpr(traced: TracedStep, in_groups: Sequence[Sequence], outs: Sequence):
+    """The closed jaxpr computing ``outs`` from the variables of ``in_groups`` (and J's consts)."""
+    invars = _distinct_invars(in_groups)
+    available = set(invars) | set(traced.jaxpr.constvars)
+    eqns = needed_eqns(traced.jaxpr.eqns, outs, available)
+    jaxpr = jc.make_jaxpr(traced.jaxpr, invars=invars, outvars=list(outs), eqns=eqns)
+    return jc.closed_jaxpr(jaxpr, traced.consts)
+
+
+def build_jaxprs(traced, hoisted, stacked, stack_carry, carry_from_y, carry_in_read, need_y):
+    """The ``hoist``, ``forward`` and ``rebuild`` jaxprs of a plan (see :class:`StepPlan`)."""
+    hoist = _sub_jaxpr(traced, [traced.const_in], hoisted)
+    forward = _sub_jaxpr(
+        traced,
+        [traced.const_in, hoisted, traced.carry_in, traced.x_in],
+        [*traced.carry_out, *traced.y_out, *stacked],
+    )
+    rebuild = _sub_jaxpr(
+        traced,
+        [
+            traced.const_in,
+            hoisted,
+            traced.x_in,
+            [v for v, n in zip(traced.y_out, need_y, strict=True) if n],
+            [v for v, k in zip(traced.carry_out, stack_carry, strict=True) if k],
+            [v for v, k in zip(traced.carry_in, stack_carry, strict=True) if k],
+            [
+                traced.carry_in[i]
+                for i, (j, r) in enumerate(zip(carry_from_y, carry_in_read, strict=True))
+                if j >= 0 and r
+            ],
+            stacked,
+        ],
+        traced.res_out,
+    )
+    return hoist, forward, rebuild
+
+
+def plan_step(body, n_consts: int, n_carry: int, in_avals: Sequence, recompute: str) -> StepPlan:
+    """Traces the VJP of one step and plans where each residual comes from.
+
+    Args:
+      body: closed jaxpr of the step: inputs ``(*consts, *carry, *x)``, outputs
+        ``(*carry_out, *y)``.
+      n_consts: number of constant inputs.
+      n_carry: number of carry leaves.
+      in_avals: abstract values of the inputs (consts, carry, one x slice).
+      recompute: ``"cheap"`` or ``"none"``.
+
+    Returns:
+      A :class:`StepPlan`.
+    """
+    traced = trace_step_vjp(body, n_consts, n_carry, in_avals)
+    const_only = loop_invariants(traced)
+    from_y = carry_from_ys(traced)
+    base_free = (
+        const_only
+        | set(traced.x_in)
+        | {v for v in traced.y_out if _is_var(v)}
+        | {traced.carry_in[i] for i, j in enumerate(from_y) if j >= 0}
+    )
+    cheap = _is_cheap if recompute == "cheap" else (lambda eqn: False)
+    stores = choose_stores(traced, base_free, carry_candidates(traced, from_y), cheap)
+
+    # What the backward step evaluates, and from what.
+    available = stores.free | stores.stored
+    targets = [v for v in traced.res_out if _is_var(v)]
+    recompute_eqns = needed_eqns(traced.jaxpr.eqns, targets, available)
+    assert all(cheap(e) for e in recompute_eqns)
+    read_by_bwd = set(targets) | {u for e in recompute_eqns for u in e.invars if _is_var(u)}
+    eqn_outs = {v for e in traced.jaxpr.eqns for v in e.outvars}
+    hoisted = tuple(
+        v
+        for v in dict.fromkeys(itertools.chain(targets, stores.stored, read_by_bwd))
+        if v in const_only and v in eqn_outs and v in available
+    )
+    stacked = tuple(v for v in dict.fromkeys(stores.stored) if v not in const_only)
+    stack_carry = tuple(i in stores.kept_carry for i in range(n_carry))
+    carry_in_read = tuple(v in read_by_bwd for v in traced.carry_in)
+    need_y = [_is_var(v) and v in read_by_bwd and v not in const_only for v in traced.y_out]
+    for i, j in enumerate(from_y):
+        if j >= 0 and carry_in_read[i]:
+            need_y[j] = True
+    need_y = tuple(need_y)
+    hoist, forward, rebuild = build_jaxprs(
+        traced, hoisted, stacked, stack_carry, from_y, carry_in_read, need_y
+    )
+    return StepPlan(
+        traced=traced,
+        res_classes=classify(traced, const_only, stores, from_y),
+        stacked_vars=stacked,
         hoisted_vars=hoisted,
         stack_carry=stack_carry,
-        carry_from_y=carry_from_y,
+        carry_from_y=tuple(from_y),
         carry_in_read=carry_in_read,
         need_y=need_y,
-        recompute_eqns=recompute_eqns,
+        hoist=hoist,
+        forward=forward,
+        rebuild=rebuild,
     )
 
 
@@ -602,12 +613,12 @@ def _var_source(eqn_of, v, role: str) -> str:
     eqn = eqn_of.get(v)
     if eqn is None:
         return role
-    return source_info_util.summarize(eqn.source_info)
+    return jc.summarize_source(eqn.source_info)
 
 
-def summarize(plan: StepAnalysis, length: int, stock_stacked_bytes: int | None) -> ScanPlan:
+def summarize(plan: StepPlan, length: int, stock_stacked_bytes: int | None) -> ScanPlan:
     """The public :class:`ScanPlan` of an analysed step."""
-    jaxpr = plan.jaxpr
+    jaxpr = plan.traced.jaxpr
     eqn_of = {v: e for e in jaxpr.eqns for v in e.outvars}
     role = {}
     for v in plan.const_invars:

@@ -4,7 +4,7 @@ Data flow (see ``DESIGN.md`` §2):
 
 1. The body is traced once to a jaxpr; closed-over traced values (parameters of an outer
    ``jit``/``grad``/``vmap``) become explicit inputs, so they get gradients.
-2. :func:`jaxmem._src.residuals.analyze_step` traces the step's VJP and decides, for each
+2. :func:`jaxmem._src.residuals.plan_step` traces the step's VJP and decides, for each
    residual, whether the backward step reads it from an xs slice, a constant, the carry sequence,
    a ys output, recomputes it cheaply, or needs it stacked (a *partial activation*).
 3. Forward: a :func:`jax.lax.scan` that emits ys, the partial activations and, for the carry
@@ -19,19 +19,21 @@ VJP: :func:`scan` raises :class:`ForwardModeError` and names :func:`jax.lax.scan
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core
-from jax._src.ad_checkpoint import saved_residuals as _saved_residuals
 from jax.tree_util import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from jaxmem._src import checks
+from jaxmem._src import jax_compat as _jc
+from jaxmem._src import listing as _listing
 from jaxmem._src import residuals as _res
+from jaxmem._src.residuals import ScanPlan
 
 _RECOMPUTE_MODES = ("cheap", "none")
 
@@ -71,7 +73,7 @@ def _infer_length(xs_paths, xs_leaves, length, fname: str) -> int:
         sizes.append((path, shape[0]))
     if length is not None:
         try:
-            length = int(core.concrete_or_error(None, length, f"{fname}: length must be concrete"))
+            length = int(_jc.concrete_or_error(None, length, f"{fname}: length must be concrete"))
         except TypeError as e:
             raise TypeError(f"{fname} got a non-integer length={length!r}.") from e
         if length < 0:
@@ -109,9 +111,9 @@ def _check_recompute(recompute, fname: str) -> str:
     return recompute
 
 
-def _aval(x) -> core.ShapedArray:
+def _aval(x) -> _jc.ShapedArray:
     a = jax.typeof(x)
-    return core.ShapedArray(a.shape, a.dtype, weak_type=a.weak_type)
+    return _jc.ShapedArray(a.shape, a.dtype, weak_type=a.weak_type)
 
 
 def _struct(aval) -> jax.ShapeDtypeStruct:
@@ -125,7 +127,7 @@ def _struct(aval) -> jax.ShapeDtypeStruct:
 class _Body:
     """The traced body: a jaxpr with inputs ``(*traced_consts, *carry, *x)``."""
 
-    def __init__(self, jaxpr: core.ClosedJaxpr, consts: list, n_carry: int, carry_tree, y_tree):
+    def __init__(self, jaxpr, consts: list, n_carry: int, carry_tree, y_tree):
         self.jaxpr = jaxpr
         self.consts = consts
         self.n_carry = n_carry
@@ -133,7 +135,7 @@ class _Body:
         self.y_tree = y_tree
 
     def __call__(self, consts, carry, x):
-        outs = core.eval_jaxpr(self.jaxpr.jaxpr, self.jaxpr.consts, *consts, *carry, *x)
+        outs = _jc.jaxpr_as_fun(self.jaxpr)(*consts, *carry, *x)
         return list(outs[: self.n_carry]), list(outs[self.n_carry :])
 
 
@@ -165,21 +167,22 @@ def _trace_body(
     closed = jax.make_jaxpr(flat_body)(
         [_struct(a) for a in carry_avals], [_struct(a) for a in x_avals]
     )
-    jaxpr = closed.jaxpr
+    jaxpr = _jc.open_jaxpr(closed)
+    consts = _jc.jaxpr_consts(closed)
     # Traced constants (tracers of an outer transformation) become explicit inputs, so they get
     # cotangents; concrete constants stay constants.
     # With diff_consts, concrete float constants count as traced too (as parameters would be).
     is_traced = [
-        isinstance(c, core.Tracer)
+        isinstance(c, _jc.Tracer)
         or (diff_consts and jnp.issubdtype(jnp.result_type(c), jnp.inexact))
-        for c in closed.consts
+        for c in consts
     ]
     traced_vars = [v for v, t in zip(jaxpr.constvars, is_traced, strict=True) if t]
-    traced_vals = [c for c, t in zip(closed.consts, is_traced, strict=True) if t]
+    traced_vals = [c for c, t in zip(consts, is_traced, strict=True) if t]
     kept_vars = [v for v, t in zip(jaxpr.constvars, is_traced, strict=True) if not t]
-    kept_vals = [c for c, t in zip(closed.consts, is_traced, strict=True) if not t]
-    jaxpr = jaxpr.replace(constvars=kept_vars, invars=traced_vars + list(jaxpr.invars))
-    body = _Body(core.ClosedJaxpr(jaxpr, kept_vals), traced_vals, n_carry, init_tree, out_trees[-1])
+    kept_vals = [c for c, t in zip(consts, is_traced, strict=True) if not t]
+    jaxpr = _jc.make_jaxpr(jaxpr, constvars=kept_vars, invars=traced_vars + list(jaxpr.invars))
+    body = _Body(_jc.closed_jaxpr(jaxpr, kept_vals), traced_vals, n_carry, init_tree, out_trees[-1])
     out_avals = [v.aval for v in jaxpr.outvars[:n_carry]]
     return body, out_avals
 
@@ -192,16 +195,16 @@ def _prepare(f, init, xs, length, unroll, recompute, fname, diff_consts=False):
     init_paths, init_leaves, init_tree = _check_leaves(init, "init", fname)
     xs_paths, xs_leaves, xs_tree = _check_leaves(xs, "xs", fname)
     length = _infer_length(xs_paths, xs_leaves, length, fname)
-    init_leaves = [x if isinstance(x, core.Tracer) else jnp.asarray(x) for x in init_leaves]
-    xs_leaves = [x if isinstance(x, core.Tracer) else jnp.asarray(x) for x in xs_leaves]
+    init_leaves = [x if isinstance(x, _jc.Tracer) else jnp.asarray(x) for x in init_leaves]
+    xs_leaves = [x if isinstance(x, _jc.Tracer) else jnp.asarray(x) for x in xs_leaves]
     carry_avals = [_aval(x) for x in init_leaves]
-    x_avals = [core.ShapedArray(np.shape(x)[1:], jax.dtypes.result_type(x)) for x in xs_leaves]
+    x_avals = [_jc.ShapedArray(np.shape(x)[1:], jax.dtypes.result_type(x)) for x in xs_leaves]
     body, out_avals = _trace_body(
         f, fname, init_tree, init_paths, carry_avals, xs_tree, x_avals, diff_consts
     )
     changed = False
     for i, (a_in, a_out) in enumerate(zip(carry_avals, out_avals, strict=True)):
-        if a_in.weak_type and not core.typematch(a_in, a_out):
+        if a_in.weak_type and not _jc.typematch(a_in, a_out):
             init_leaves[i] = jax.lax.convert_element_type(
                 init_leaves[i], jax.dtypes.result_type(init_leaves[i], a_out)
             )
@@ -212,7 +215,7 @@ def _prepare(f, init, xs, length, unroll, recompute, fname, diff_consts=False):
             f, fname, init_tree, init_paths, carry_avals, xs_tree, x_avals, diff_consts
         )
     for path, a_in, a_out in zip(init_paths, carry_avals, out_avals, strict=True):
-        if not core.typematch(a_in, a_out):
+        if not _jc.typematch(a_in, a_out):
             raise TypeError(
                 f"{fname} body changed the type of the carry: init{keystr(path)} is "
                 f"{a_in.str_short()} but the body returned {a_out.str_short()} for it. The "
@@ -243,12 +246,6 @@ def _with_zeros(avals, indices, values, length=None):
     for i, value in zip(indices, values, strict=True):
         out[i] = value
     return out
-
-
-def _read(env, v):
-    if isinstance(v, core.Literal):
-        return jnp.asarray(v.val, dtype=v.aval.dtype)
-    return env[v]
 
 
 _OFFLOAD_MODES = ("residuals", "carries", "all")
@@ -315,11 +312,12 @@ def _offload_masks(plan, offload, fname: str):
     # Names: a value is named n when it is the input or the output of checkpoint_name(., n).
     named: dict = {}
     found = set()
-    for eqn in _res.iter_eqns(plan.jaxpr):
-        if eqn.primitive.name == "name":
-            found.add(eqn.params["name"])
+    for eqn in _res.iter_eqns(plan.traced.jaxpr):
+        name = _jc.eqn_checkpoint_name(eqn)
+        if name is not None:
+            found.add(name)
             for v in (*eqn.invars, *eqn.outvars):
-                named.setdefault(v, set()).add(eqn.params["name"])
+                named.setdefault(v, set()).add(name)
     missing = sorted(offload - found)
     if missing:
         raise ValueError(
@@ -330,156 +328,157 @@ def _offload_masks(plan, offload, fname: str):
     return mask, [False] * n_kept
 
 
-def _build_scan(
-    body: _Body, length: int, reverse: bool, unroll, recompute: str, offload=None, fname=""
-):
-    n_carry = body.n_carry
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """A step's plan and where its stacks live: what the custom VJP's rules read."""
 
-    def plain(consts, init, xs):
-        def step(carry, x):
-            return body(consts, carry, x)
+    step: _res.StepPlan
+    offload_stacked: tuple[bool, ...]  # per partial activation: kept in host memory
+    offload_carry: tuple[bool, ...]  # per kept carry sequence: kept in host memory
 
-        return jax.lax.scan(step, init, xs, length=length, reverse=reverse, unroll=unroll)
 
-    @jax.custom_vjp
-    def run(consts, init, xs):
-        return plain(consts, init, xs)
+class _Saved(NamedTuple):
+    """What the forward pass keeps for the backward pass (the custom VJP's residuals)."""
 
-    plan_cache = []
+    consts: list
+    hoisted: list
+    xs: list
+    ys_read: list  # the ys the backward pass reads
+    stacked: list  # the partial activations, one stack each
+    carry_seq: list  # the kept carry sequences (carry-in of every step)
+    final_kept: list  # the final carry of the kept leaves (carry-out of the last step)
+    init_from_y: list  # init of the carry leaves read from ys
 
-    def analyze(consts, init, xs):
-        # The plan depends only on the (fixed) types of the inputs: compute it once, on first use.
-        if plan_cache:
-            return plan_cache[0]
-        plan = _res.analyze_step(
-            core.ClosedJaxpr(body.jaxpr.jaxpr, body.jaxpr.consts),
-            len(consts),
-            n_carry,
-            [_aval(c) for c in consts],
-            [_aval(c) for c in init],
-            [core.ShapedArray(np.shape(x)[1:], x.dtype) for x in xs],
-            recompute,
+
+class _LeanScan:
+    """The custom VJP of one :func:`scan`: a forward loop that emits the partial activations
+    and a reverse loop that rebuilds each step's residuals from them (DESIGN.md §2)."""
+
+    def __init__(self, body, length, reverse, unroll, recompute, offload, fname, spaces=None):
+        self.body = body
+        self.length = length
+        self.reverse = reverse
+        self.unroll = unroll
+        self.recompute = recompute
+        self.offload = offload
+        self.fname = fname
+        # Memory spaces of the inputs: inputs in host memory get their cotangents there.
+        self.spaces = spaces
+        self.run = jax.custom_vjp(self._primal)
+        self.run.defvjp(self._fwd, self._bwd)
+
+    @functools.cached_property
+    def plan(self) -> _Plan:
+        """The plan, made on first use (it depends only on the body's input types)."""
+        jaxpr = self.body.jaxpr
+        in_avals = [v.aval for v in _jc.open_jaxpr(jaxpr).invars]
+        step = _res.plan_step(
+            jaxpr, len(self.body.consts), self.body.n_carry, in_avals, self.recompute
         )
-        plan_cache.append(plan)
-        plan_cache.append(_offload_masks(plan, offload, fname))
+        stacked, carry = _offload_masks(step, self.offload, self.fname)
         for collector in _PLAN_COLLECTORS:
-            collector.append(_res.summarize(plan, length, _stock_stacked_bytes(body, plan, length)))
-        return plan
+            collector.append(self.summary(step))
+        return _Plan(step, tuple(stacked), tuple(carry))
 
-    def run_fwd(consts, init, xs):
-        plan = analyze(consts, init, xs)
-        off_stacked, off_carry = plan_cache[1]
-        # Inputs in host memory (e.g. layer parameters kept there) get their cotangents there.
-        spaces = [jax.typeof(v).memory_space for v in (*consts, *init, *xs)]
-        if len(plan_cache) == 2:
-            plan_cache.append(spaces)
-        jaxpr = plan.jaxpr
-        base_env = dict(zip(jaxpr.constvars, plan.jaxpr_consts, strict=True))
-        base_env.update(zip(plan.const_invars, consts, strict=True))
-        hoist_eqns = _res.needed_eqns(jaxpr.eqns, plan.hoisted_vars, set(base_env))
-        _res.eval_eqns(hoist_eqns, base_env)
-        hoisted = [base_env[v] for v in plan.hoisted_vars]
+    def summary(self, step) -> ScanPlan:
+        return _res.summarize(step, self.length, _stock_stacked_bytes(self.body, step, self.length))
 
-        known = set(jaxpr.invars) | set(jaxpr.constvars) | set(plan.hoisted_vars)
-        fwd_eqns = _res.needed_eqns(
-            jaxpr.eqns, [*plan.carry_outvars, *plan.y_outvars, *plan.stacked_vars], known
-        )
+    def _scan(self, f, init, xs, reverse):
+        return jax.lax.scan(f, init, xs, length=self.length, reverse=reverse, unroll=self.unroll)
+
+    def _primal(self, consts, init, xs):
+        return self._scan(lambda c, x: self.body(consts, c, x), init, xs, self.reverse)
+
+    def _fwd(self, consts, init, xs):
+        plan = self.plan
+        step_plan = plan.step
+        n_carry, n_y = self.body.n_carry, len(step_plan.y_outvars)
+        hoisted = _jc.jaxpr_as_fun(step_plan.hoist)(*consts)
+        forward = _jc.jaxpr_as_fun(step_plan.forward)
 
         def step(carry, x):
-            env = dict(zip(jaxpr.constvars, plan.jaxpr_consts, strict=True))
-            env.update(zip(plan.const_invars, consts, strict=True))
-            env.update(zip(plan.hoisted_vars, hoisted, strict=True))
-            env.update(zip(plan.carry_invars, carry, strict=True))
-            env.update(zip(plan.x_invars, x, strict=True))
-            _res.eval_eqns(fwd_eqns, env)
-            c_out = [_read(env, v) for v in plan.carry_outvars]
-            y = [_read(env, v) for v in plan.y_outvars]
+            outs = forward(*consts, *hoisted, *carry, *x)
+            c_out, y, stacked = outs[:n_carry], outs[n_carry : n_carry + n_y], outs[n_carry + n_y :]
             stacked = [
-                _to_host(env[v]) if off else env[v]
-                for v, off in zip(plan.stacked_vars, off_stacked, strict=True)
+                _to_host(v) if off else v
+                for v, off in zip(stacked, plan.offload_stacked, strict=True)
             ]
-            carry_seq = [c for c, keep in zip(carry, plan.stack_carry, strict=True) if keep]
-            carry_seq = [
-                _to_host(c) if off else c for c, off in zip(carry_seq, off_carry, strict=True)
+            kept = [c for c, keep in zip(carry, step_plan.stack_carry, strict=True) if keep]
+            kept = [
+                _to_host(c) if off else c for c, off in zip(kept, plan.offload_carry, strict=True)
             ]
-            return c_out, (y, stacked, carry_seq)
+            return list(c_out), (list(y), stacked, kept)
 
-        final, (ys, stacked, carry_seq) = jax.lax.scan(
-            step, list(init), list(xs), length=length, reverse=reverse, unroll=unroll
+        final, (ys, stacked, carry_seq) = self._scan(step, list(init), list(xs), self.reverse)
+        saved = _Saved(
+            consts=list(consts),
+            hoisted=list(hoisted),
+            xs=list(xs),
+            ys_read=[y for y, need in zip(ys, step_plan.need_y, strict=True) if need],
+            stacked=stacked,
+            carry_seq=carry_seq,
+            final_kept=[c for c, keep in zip(final, step_plan.stack_carry, strict=True) if keep],
+            init_from_y=[init[i] for i, _ in step_plan.carry_read_from_y],
         )
-        ys_needed = [y for y, need in zip(ys, plan.need_y, strict=True) if need]
-        final_kept = [c for c, keep in zip(final, plan.stack_carry, strict=True) if keep]
-        init_from_y = [
-            c
-            for c, j, r in zip(init, plan.carry_from_y, plan.carry_in_read, strict=True)
-            if j >= 0 and r
-        ]
-        res = (consts, hoisted, xs, ys_needed, stacked, carry_seq, final_kept, init_from_y)
-        return (final, ys), res
+        return (final, ys), saved
 
-    def run_bwd(saved, cts):
-        plan, (off_stacked, off_carry), spaces = plan_cache
-        consts, hoisted, xs, ys_needed, stacked, carry_seq, final_kept, init_from_y = saved
+    def _carry_in_from_ys(self, saved: _Saved, t):
+        """Carry-ins read from ys: step t's is y[t - 1] (y[t + 1] if reverse), or init."""
+        pairs = self.plan.step.carry_read_from_y
+        if self.length == 0:  # The loop body is traced but never runs.
+            return list(saved.init_from_y)
+        first, back = (self.length - 1, 1) if self.reverse else (0, -1)
+        prev = jnp.clip(t + back, 0, self.length - 1)
+        return [
+            jnp.where(
+                t == first,
+                init_v,
+                jax.lax.dynamic_index_in_dim(saved.ys_read[k], prev, keepdims=False),
+            )
+            for (_, k), init_v in zip(pairs, saved.init_from_y, strict=True)
+        ]
+
+    def _bwd(self, saved: _Saved, cts):
+        plan = self.plan
+        step_plan = plan.step
         ct_final, ct_ys = cts
-        jaxpr = plan.jaxpr
-        const_avals = [v.aval for v in plan.const_invars]
-        carry_avals = [v.aval for v in plan.carry_invars]
-        x_avals = [v.aval for v in plan.x_invars]
-        y_avals = [v.aval for v in plan.y_outvars]
+        const_avals = [v.aval for v in step_plan.const_invars]
+        carry_avals = [v.aval for v in step_plan.carry_invars]
+        x_avals = [v.aval for v in step_plan.x_invars]
+        y_avals = [v.aval for v in step_plan.y_outvars]
         float_consts = [i for i, a in enumerate(const_avals) if _is_float(a)]
         float_carry = [i for i, a in enumerate(carry_avals) if _is_float(a)]
         float_x = [i for i, a in enumerate(x_avals) if _is_float(a)]
         float_y = [i for i, a in enumerate(y_avals) if _is_float(a)]
-        kept_carry_in = [v for v, k in zip(plan.carry_invars, plan.stack_carry, strict=True) if k]
-        kept_carry_out = [v for v, k in zip(plan.carry_outvars, plan.stack_carry, strict=True) if k]
-        needed_y_vars = [v for v, n in zip(plan.y_outvars, plan.need_y, strict=True) if n]
-        # Carry leaves read from ys: carry-in of step t is y[t - 1] (y[t + 1] if reverse) or init.
-        from_y = [
-            (plan.carry_invars[i], needed_y_vars.index(plan.y_outvars[j]))
-            for i, (j, r) in enumerate(zip(plan.carry_from_y, plan.carry_in_read, strict=True))
-            if j >= 0 and r
-        ]
-        first, step_back = (length - 1, 1) if reverse else (0, -1)
-
-        def carry_in_from_y(t):
-            if length == 0:  # The loop body is traced but never runs.
-                return list(init_from_y)
-            prev = jnp.clip(t + step_back, 0, length - 1)
-            return [
-                jnp.where(
-                    t == first,
-                    init_v,
-                    jax.lax.dynamic_index_in_dim(ys_needed[k], prev, keepdims=False),
-                )
-                for (_, k), init_v in zip(from_y, init_from_y, strict=True)
-            ]
+        rebuild = _jc.jaxpr_as_fun(step_plan.rebuild)
 
         def step(bcarry, inp):
             ct_carry, ct_consts, c_out = bcarry
-            t, x, y_needed, stacked_t, c_in, ct_y = inp
+            t, x, y_read, stacked_t, c_in, ct_y = inp
             stacked_t = [
-                _to_device(v) if off else v for v, off in zip(stacked_t, off_stacked, strict=True)
+                _to_device(v) if off else v
+                for v, off in zip(stacked_t, plan.offload_stacked, strict=True)
             ]
-            c_in = [_to_device(c) if off else c for c, off in zip(c_in, off_carry, strict=True)]
-            env = dict(zip(jaxpr.constvars, plan.jaxpr_consts, strict=True))
-            env.update(zip(plan.const_invars, consts, strict=True))
-            env.update(zip(plan.hoisted_vars, hoisted, strict=True))
-            env.update(zip(plan.x_invars, x, strict=True))
-            env.update(zip(needed_y_vars, y_needed, strict=True))
-            env.update(
-                (v, val)
-                for v, val in zip(kept_carry_out, c_out, strict=True)
-                if not isinstance(v, core.Literal)
+            c_in = [
+                _to_device(c) if off else c for c, off in zip(c_in, plan.offload_carry, strict=True)
+            ]
+            res = rebuild(
+                *saved.consts,
+                *saved.hoisted,
+                *x,
+                *y_read,
+                *c_out,
+                *c_in,
+                *self._carry_in_from_ys(saved, t),
+                *stacked_t,
             )
-            env.update(zip(kept_carry_in, c_in, strict=True))
-            env.update(zip([v for v, _ in from_y], carry_in_from_y(t), strict=True))
-            env.update(zip(plan.stacked_vars, stacked_t, strict=True))
-            _res.eval_eqns(plan.recompute_eqns, env)
-            res_vals = [_read(env, v) for v in plan.res_outvars]
-            vjp_fn = tree_unflatten(plan.res_treedef, res_vals)
-            full_ct_carry = _with_zeros(carry_avals, float_carry, ct_carry)
-            full_ct_y = _with_zeros(y_avals, float_y, ct_y)
-            d_consts, d_carry, d_x = vjp_fn((full_ct_carry, full_ct_y))
+            vjp_fn = tree_unflatten(step_plan.res_treedef, res)
+            d_consts, d_carry, d_x = vjp_fn(
+                (
+                    _with_zeros(carry_avals, float_carry, ct_carry),
+                    _with_zeros(y_avals, float_y, ct_y),
+                )
+            )
             new_ct_consts = [
                 acc + d_consts[i] for acc, i in zip(ct_consts, float_consts, strict=True)
             ]
@@ -489,26 +488,32 @@ def _build_scan(
         init_b = (
             [ct_final[i] for i in float_carry],
             [jnp.zeros(const_avals[i].shape, const_avals[i].dtype) for i in float_consts],
-            list(final_kept),
+            list(saved.final_kept),
         )
-        steps = jnp.arange(length, dtype=jnp.int32)
-        inputs = (steps, list(xs), ys_needed, stacked, carry_seq, [ct_ys[i] for i in float_y])
-        (ct_init_f, ct_consts_f, _), ct_xs_f = jax.lax.scan(
-            step, init_b, inputs, length=length, reverse=not reverse, unroll=unroll
+        inputs = (
+            jnp.arange(self.length, dtype=jnp.int32),
+            saved.xs,
+            saved.ys_read,
+            saved.stacked,
+            saved.carry_seq,
+            [ct_ys[i] for i in float_y],
         )
+        (ct_init_f, ct_consts_f, _), ct_xs_f = self._scan(step, init_b, inputs, not self.reverse)
         cts = (
             _with_zeros(const_avals, float_consts, ct_consts_f),
             _with_zeros(carry_avals, float_carry, ct_init_f),
-            _with_zeros(x_avals, float_x, ct_xs_f, length),
+            _with_zeros(x_avals, float_x, ct_xs_f, self.length),
         )
-        host = iter(space == core.MemorySpace.Host for space in spaces)
+        spaces = iter(self.spaces or [])
         return tuple(
-            [_to_host(ct) if next(host) and ct.dtype != jax.dtypes.float0 else ct for ct in group]
+            [
+                _to_host(ct)
+                if next(spaces, None) == jax.memory.Space.Host and ct.dtype != jax.dtypes.float0
+                else ct
+                for ct in group
+            ]
             for group in cts
         )
-
-    run.defvjp(run_fwd, run_bwd)
-    return run, analyze
 
 
 # Active collectors of scan plans (see collect_plans); analysis appends to each.
@@ -539,11 +544,7 @@ def _stock_stacked_bytes(body: _Body, plan, length: int) -> int:
         leaves = [x for x in [*final, *ys] if jnp.issubdtype(x.dtype, jnp.inexact)]
         return sum((jnp.sum(x.astype(jnp.float32)) for x in leaves), jnp.float32(0))
 
-    total = 0
-    for aval, description in _saved_residuals(stock_loss, *structs):
-        if description.startswith("output of scan") and aval.shape[:1] == (length,):
-            total += int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
-    return total
+    return _listing.loop_stacked_bytes(_listing.saved_residuals(stock_loss, *structs), length)
 
 
 def scan_residuals(f: Callable, init: Any, xs: Any = None, length: int | None = None, **kwargs):
@@ -604,11 +605,10 @@ def scan_residuals(f: Callable, init: Any, xs: Any = None, length: int | None = 
             fname,
             diff_consts=True,
         )
-        _, analyze = _build_scan(
+        lean = _LeanScan(
             body, n, bool(kwargs.get("reverse", False)), unroll, recompute, offload, fname
         )
-        plan = analyze(body.consts, init_leaves, xs_leaves)
-        plans.append(_res.summarize(plan, n, _stock_stacked_bytes(body, plan, n)))
+        plans.append(lean.summary(lean.plan.step))
 
     jax.eval_shape(trace, init, xs)
     return plans[0]
@@ -694,9 +694,11 @@ def scan(
     body, init_leaves, xs_leaves, _, length, unroll, recompute = _prepare(
         f, init, xs, length, unroll, recompute, fname
     )
-    run, _ = _build_scan(body, length, bool(reverse), unroll, recompute, offload, fname)
+    inputs = (body.consts, init_leaves, xs_leaves)
+    spaces = [jax.typeof(v).memory_space for group in inputs for v in group]
+    lean = _LeanScan(body, length, bool(reverse), unroll, recompute, offload, fname, spaces)
     try:
-        final, ys = run(body.consts, init_leaves, xs_leaves)
+        final, ys = lean.run(*inputs)
     except TypeError as e:
         if "forward-mode" in str(e):
             raise ForwardModeError(_FORWARD_MODE_MESSAGE) from e
