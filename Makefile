@@ -1,23 +1,48 @@
 # Two commands do everything on a fresh machine with python3 and pip:
-#   make test   create .venv, install jaxmem[test], run the whole suite (notebooks included)
+#   make test   create .venv-X.Y, install jaxmem[test], run the whole suite (notebooks included)
 #   make demo   same set-up, then run the main job (python -m jaxmem demo)
-PYTHON ?= python3
-VENV := .venv
+# PYTHON picks the interpreter: by default the newest of python3.13, python3.12, python3.11 that
+# runs (a pyenv shim of an installed but unselected version included), else python3. Each X.Y
+# gets its own venv (.venv-3.13, .venv-3.11, ...), so versions coexist; each run prints the
+# Python and jax it uses. TEST_ARGS picks what pytest runs (default: the whole suite).
+#   make test-compat   the oldest supported set-up: PYTHON=python3.11 (pip gives jax 0.10.2),
+#                      TEST_ARGS="jaxmem tests README.md": everything but the notebooks
+#   make test PYTHON=python3.11 TEST_ARGS=tests/test_api.py   any interpreter, any selection
+
+# $(call resolve,python3.13): absolute path of that interpreter, empty when it does not run. A
+# pyenv shim of a version installed but not selected ("pyenv: python3.13: command not found")
+# is run with PYENV_VERSION set to the newest installed 3.13.x.
+resolve = $(shell { $(1) -c 'import sys; print(sys.executable)' || \
+	PYENV_VERSION=$$(pyenv latest $(patsubst python%,%,$(notdir $(1)))) \
+	$(1) -c 'import sys; print(sys.executable)'; } 2>/dev/null)
+
+ifeq ($(origin PYTHON),undefined)
+PYTHON := $(or $(call resolve,python3.13),$(call resolve,python3.12),$(call resolve,python3.11),python3)
+endif
+PYTHON_EXE := $(or $(call resolve,$(PYTHON)),$(PYTHON))
+PYVER := $(shell $(PYTHON_EXE) -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)
+VENV := .venv-$(PYVER)
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_WORKERS ?= 2
+TEST_ARGS ?= jaxmem tests README.md --nbmake notebooks
 
-.PHONY: test demo bench lint format clean
+.PHONY: test test-compat demo bench lint format clean
 
 # Re-installs only when the project metadata changes (the stamp is newer otherwise).
 $(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@test -n "$(PYVER)" || { echo "error: PYTHON=$(PYTHON) does not run" >&2; exit 1; }
+	test -x $(PY) || $(PYTHON_EXE) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e ".[test]"
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -n $(PYTEST_WORKERS) -q jaxmem tests README.md --nbmake notebooks
+	@$(PY) -c "import sys, jax; print('python', sys.version.split()[0], 'jax', jax.__version__)"
+	$(PY) -m pytest -n $(PYTEST_WORKERS) -q $(TEST_ARGS)
+
+test-compat:
+	$(MAKE) test PYTHON=python3.11 TEST_ARGS="jaxmem tests README.md"
 
 demo: $(STAMP)
 	$(PY) -m jaxmem demo
@@ -34,4 +59,4 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf .venv .venv-* build *.egg-info .pytest_cache

@@ -1,9 +1,12 @@
 """jaxmem: make JAX training fit in less accelerator memory at (nearly) the same speed.
 
-The public face of the package. Implementation lives in :mod:`jaxmem._src`.
+The public face of the package. Implementation lives in :mod:`jaxmem._src`. :mod:`jaxmem.flax`
+is loaded on first use, so ``import jaxmem`` does not import Flax (an optional dependency:
+``pip install jaxmem[flax]``).
 """
 
-from jaxmem import flax as flax
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+
 from jaxmem import losses as losses
 from jaxmem import offload as offload
 from jaxmem import policies as policies
@@ -23,6 +26,9 @@ from jaxmem._src.scan import scan_residuals as scan_residuals
 from jaxmem._src.scan import scanned as scanned
 from jaxmem._src.trainable import merge as merge
 from jaxmem._src.trainable import trainable as trainable
+
+if _TYPE_CHECKING:
+    from jaxmem import flax as flax
 
 __version__ = "0.1.0"
 
@@ -48,3 +54,17 @@ __all__ = [
     "scanned",
     "trainable",
 ]
+
+
+def __getattr__(name):
+    # Runs only for attributes not found otherwise: `jaxmem.flax` before its first import (the
+    # import then binds it here, as any submodule).
+    if name == "flax":
+        import importlib
+
+        return importlib.import_module("jaxmem.flax")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | {"flax"})

@@ -1,7 +1,11 @@
 """The public face: every exported name is documented, with a runnable example."""
 
+import ast
 import importlib
 import inspect
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -54,3 +58,69 @@ def issubclass_exception(obj):
 
 def test_version():
     assert isinstance(jaxmem.__version__, str)
+
+
+def _run_python(code):
+    """Runs ``code`` in a fresh interpreter (this one, same environment); fails with its stderr."""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def test_import_does_not_import_flax():
+    _run_python(
+        "import jaxmem, sys; assert 'flax' not in sys.modules, 'import jaxmem imported flax'"
+    )
+
+
+def test_works_without_flax():
+    # sys.modules["flax"] = None makes `import flax` raise ImportError, as when it is not installed.
+    _run_python(
+        """
+import sys
+sys.modules["flax"] = None
+import jax.numpy as jnp
+import jaxmem
+
+carry, ys = jaxmem.scan(lambda c, x: (c + x, c), 0.0, jnp.arange(3.0))
+assert float(carry) == 3.0 and ys.tolist() == [0.0, 0.0, 1.0], (carry, ys)
+try:
+    jaxmem.flax
+except ImportError as e:
+    assert "pip install 'jaxmem[flax]'" in str(e), str(e)
+else:
+    raise AssertionError("jaxmem.flax without flax raised no ImportError")
+"""
+    )
+
+
+ROOT = Path(__file__).resolve().parents[1]
+# The one module that may reach into JAX's private internals (jax._src); all else goes through it.
+JAX_COMPAT = ROOT / "jaxmem" / "_src" / "jax_compat.py"
+
+
+def _imports_jax_src(node):
+    def private(module):
+        return module == "jax._src" or module.startswith("jax._src.")
+
+    if isinstance(node, ast.Import):
+        return any(private(alias.name) for alias in node.names)
+    if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        return private(node.module) or (
+            node.module == "jax" and any(private(f"jax.{alias.name}") for alias in node.names)
+        )
+    return False
+
+
+def test_only_jax_compat_imports_jax_src():
+    offenders = []
+    for folder in ("jaxmem", "tests", "benchmarks"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path == JAX_COMPAT:
+                continue
+            tree = ast.parse(path.read_text(), filename=str(path))
+            offenders += [
+                f"{path.relative_to(ROOT)}:{node.lineno}"
+                for node in ast.walk(tree)
+                if _imports_jax_src(node)
+            ]
+    assert not offenders, f"import jax._src outside {JAX_COMPAT.relative_to(ROOT)}: {offenders}"
