@@ -1,9 +1,9 @@
 """Flax layer stacks: ``jaxmem.flax.linen.scan_layers`` against ``nn.scan`` (and ``nn.remat``).
 
-The reference GPT block (:class:`jaxmem._src.models.Block`) stacked ``L`` times; compiled temp
+The reference GPT block (:class:`jaxmem.demo.models.Block`) stacked ``L`` times; compiled temp
 bytes of ``jax.jit(jax.grad(loss))`` with respect to the parameters and the input, for no remat
 and for each policy, next to the ``nn.scan(nn.remat(block, policy))`` equivalent. Only compiled,
-never run (``jax.ShapeDtypeStruct`` arguments).
+never run (``jax.ShapeDtypeStruct`` arguments). Bytes in MiB (2^20), as every benchmark.
 
 Usage: ``python -m benchmarks.flax [--json PATH] [--small]``.
 """
@@ -18,8 +18,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from benchmarks.harness import format_mib
 from jaxmem import policies
-from jaxmem._src import models
+from jaxmem.demo import models
 from jaxmem.flax import linen as jl
 
 POLICIES = (None, "nothing", "dots", "selective")
@@ -79,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'policy':<12} {'nn.scan':>12} {'scan_layers':>12} {'ratio':>7}")
     for r in rows:
         print(
-            f"{r['policy']:<12} {r['nn_scan'] / 1e6:>10.1f}MB {r['scan_layers'] / 1e6:>10.1f}MB "
-            f"{r['ratio']:>6.2f}x"
+            f"{r['policy']:<12} {format_mib(r['nn_scan']):>12} "
+            f"{format_mib(r['scan_layers']):>12} {r['ratio']:>6.2f}x"
         )
     if args.json:
         with open(args.json, "w") as f:

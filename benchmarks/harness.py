@@ -12,6 +12,10 @@ What is measured follows DESIGN.md section 3:
   min and median of ``repeats`` runs.
 
 Every variant figure is also given as a ratio to the stock figure of the same run.
+
+This module is also the one timing loop (:func:`time_interleaved`) and the one bytes formatter
+(:func:`format_mib`: MiB, 2^20 bytes) of every benchmark (:mod:`benchmarks.losses`,
+:mod:`benchmarks.flax`).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import platform
 import statistics
 import time
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -37,6 +41,81 @@ STOCK = "stock"
 
 MIN_REPEATS = 7
 """Fewest timed repeats per column (DESIGN.md section 3)."""
+
+MIB = 2**20
+"""Bytes in a MiB: the one unit of every benchmark table."""
+
+
+def format_mib(n: float | None) -> str:
+    """Formats a byte count in MiB (2^20 bytes), the unit of every benchmark table.
+
+    Args:
+      n: bytes, or None (shown as ``"-"``).
+
+    Returns:
+      ``"12.0 MiB"``; three decimals below 1 MiB, so that small shapes do not read as zero.
+
+    Examples:
+      >>> format_mib(3 * 2**20), format_mib(16.8e6), format_mib(2**10), format_mib(None)
+      ('3.0 MiB', '16.0 MiB', '0.001 MiB', '-')
+    """
+    if n is None:
+        return "-"
+    mib = n / MIB
+    return f"{mib:.1f} MiB" if mib == 0 or abs(mib) >= 1 else f"{mib:.3f} MiB"
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """The timed runs of one function (see :func:`time_interleaved`).
+
+    Attributes:
+      min_s: Fastest run, seconds.
+      median_s: Median run, seconds.
+      samples_s: Every timed run, seconds, in order.
+      output: What the warm-up run returned (for checking results against a reference).
+    """
+
+    min_s: float
+    median_s: float
+    samples_s: tuple[float, ...]
+    output: Any
+
+
+def time_interleaved(
+    fns: Mapping[str, Callable[..., Any]], *args: Any, repeats: int = MIN_REPEATS
+) -> dict[str, Timing]:
+    """Times functions on the same arguments: warm, interleaved, min and median of ``repeats``.
+
+    DESIGN.md section 3: same process; each function is first run once (compiling it if it is
+    a ``jax.jit`` function; its result is kept), then the timed runs go A B C A B C ..., each
+    waited for with :func:`jax.block_until_ready`.
+
+    Args:
+      fns: Label -> function of ``*args`` (jitted or compiled).
+      *args: The arguments of every function.
+      repeats: Timed runs per function.
+
+    Returns:
+      Label -> its timing, in the order of ``fns``.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> t = time_interleaved({"a": jnp.sin, "b": jnp.cos}, jnp.zeros(3), repeats=3)
+      >>> list(t), len(t["a"].samples_s), float(t["b"].output[0])
+      (['a', 'b'], 3, 1.0)
+    """
+    outputs = {label: jax.block_until_ready(fn(*args)) for label, fn in fns.items()}  # warm-up
+    samples: dict[str, list[float]] = {label: [] for label in fns}
+    for _ in range(repeats):
+        for label, fn in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            samples[label].append(time.perf_counter() - start)
+    return {
+        label: Timing(min(ts), statistics.median(ts), tuple(ts), outputs[label])
+        for label, ts in samples.items()
+    }
 
 
 @dataclasses.dataclass
@@ -141,17 +220,11 @@ def measure_times(
       Label -> (min seconds, median seconds, gradients of the warm-up run).
     """
     args = case.make_args()
-    compiled, grads = {}, {}
-    for label, impl in impls.items():
-        compiled[label] = jax.jit(grad_fn(case, impl)).lower(*args).compile()
-        grads[label] = jax.block_until_ready(compiled[label](*args))  # warm-up
-    samples: dict[str, list[float]] = {label: [] for label in impls}
-    for _ in range(repeats):
-        for label, fn in compiled.items():
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            samples[label].append(time.perf_counter() - start)
-    return {label: (min(ts), statistics.median(ts), grads[label]) for label, ts in samples.items()}
+    compiled = {
+        label: jax.jit(grad_fn(case, impl)).lower(*args).compile() for label, impl in impls.items()
+    }
+    times = time_interleaved(compiled, *args, repeats=repeats)
+    return {label: (t.min_s, t.median_s, t.output) for label, t in times.items()}
 
 
 def _rel_err(grads: Any, reference: Any) -> float:
@@ -268,10 +341,6 @@ def to_dict(
     return out
 
 
-def _mb(n: int | None) -> str:
-    return "-" if n is None else f"{n / 1e6:.1f} MB"
-
-
 def _x(r: float | None) -> str:
     return "-" if r is None else f"x{r:.2f}"
 
@@ -279,7 +348,7 @@ def _x(r: float | None) -> str:
 def format_table(results: Sequence[CaseResult], *, timed: bool) -> str:
     """Returns one plain-text table: a row per case, the stock group then one group per variant.
 
-    Bytes are in MB (1e6 bytes); ``xR`` is the ratio to the stock figure of the same run.
+    Bytes are in MiB (2^20 bytes); ``xR`` is the ratio to the stock figure of the same run.
     ``temp``: compiled temp bytes of the jitted gradient. ``resid``: total of the loss's
     saved-residual listing. ``w/o args``: the same without residuals that are the loss's own
     arguments (alive anyway; DESIGN.md section 1 counts the rest). ``time``: step time of the
@@ -298,20 +367,20 @@ def format_table(results: Sequence[CaseResult], *, timed: bool) -> str:
         s = r.columns[STOCK]
         row = [
             r.name,
-            _mb(s.temp_bytes),
-            _mb(s.residual_bytes),
-            _mb(s.residual_bytes_non_argument),
+            format_mib(s.temp_bytes),
+            format_mib(s.residual_bytes),
+            format_mib(s.residual_bytes_non_argument),
         ]
         if timed:
             row.append("-" if s.time_min_s is None else f"{s.time_min_s * 1e3:.2f} ms")
         for label in labels[1:]:
             c = r.columns[label]
             row += [
-                _mb(c.temp_bytes),
+                format_mib(c.temp_bytes),
                 _x(r.ratio(label, "temp_bytes")),
-                _mb(c.residual_bytes),
+                format_mib(c.residual_bytes),
                 _x(r.ratio(label, "residual_bytes")),
-                _mb(c.residual_bytes_non_argument),
+                format_mib(c.residual_bytes_non_argument),
                 _x(r.ratio(label, "residual_bytes_non_argument")),
             ]
             if timed:

@@ -6,8 +6,9 @@ Usage: ``python -m benchmarks.losses [--json PATH] [--time] [--small]``.
 ``optax.softmax_cross_entropy_with_integer_labels(x @ w, labels).mean()`` (N=8192, D=1024,
 V=32768, f32): compiled temp bytes of ``jax.jit(jax.grad(loss, argnums=(0, 1)))`` lowered on
 ``jax.ShapeDtypeStruct`` arguments (nothing is allocated), and ``jax-cce`` 0.1.0 at the same chunk
-size when it is installed. With ``--time``, forward + backward step time, interleaved, >= 7 runs,
-on a smaller timing case (the big one takes too long on CPU).
+size when it is installed. With ``--time``, forward + backward step time, interleaved, >= 7 runs
+(:func:`benchmarks.harness.time_interleaved`), on a smaller timing case (the big one takes too
+long on CPU).
 
 (b) Selective differentiation, a 6-layer MLP fine-tuning only its last layer: the saved-residual
 listing of the loss differentiated w.r.t. the trainable part only vs all parameters, and the
@@ -15,7 +16,8 @@ compiled memory of the "full gradients leave the jit, then a masked optax update
 (``optax.multi_transform`` with ``optax.set_to_zero``) in a second jit" pattern vs one jit with
 the gradient of the trainable part only (:func:`jaxmem._src.trainable.trainable`).
 
-``--small`` shrinks every shape (a smoke test). Prints one table; ``--json`` writes every figure.
+``--small`` shrinks every shape (a smoke test). Prints one table (bytes in MiB, 2^20, as every
+benchmark); ``--json`` writes every figure.
 """
 
 from __future__ import annotations
@@ -25,9 +27,7 @@ import datetime
 import json
 import pathlib
 import platform
-import statistics
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,12 +35,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax._src.ad_checkpoint import saved_residuals
 
+from benchmarks.harness import MIN_REPEATS, format_mib, time_interleaved
+from jaxmem._src.listing import saved_residuals
 from jaxmem._src.losses import linear_cross_entropy
 from jaxmem._src.trainable import merge, trainable
-
-REPEATS = 7
 
 
 def _temp(f, *args) -> int:
@@ -81,7 +80,7 @@ def bench_ce(n: int, d: int, v: int, chunk: int) -> dict[str, Any]:
     return res
 
 
-def time_ce(n: int, d: int, v: int, chunk: int, repeats: int = REPEATS) -> dict[str, Any]:
+def time_ce(n: int, d: int, v: int, chunk: int, repeats: int = MIN_REPEATS) -> dict[str, Any]:
     """Interleaved naive / jaxmem step times (value and grad w.r.t. x, w), min and median."""
     kx, kw, kl = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(kx, (n, d))
@@ -95,23 +94,19 @@ def time_ce(n: int, d: int, v: int, chunk: int, repeats: int = REPEATS) -> dict[
             )
         ),
     }
-    outs = {k: jax.block_until_ready(f(x, w, y)) for k, f in fns.items()}  # compile + warm
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, f in fns.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(x, w, y))
-            times[k].append(time.perf_counter() - t0)
+    times = time_interleaved(fns, x, w, y, repeats=repeats)  # compile + warm, then interleaved
     err = max(
         float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
         for a, b in zip(
-            jax.tree.leaves(outs["jaxmem"]), jax.tree.leaves(outs["naive"]), strict=True
+            jax.tree.leaves(times["jaxmem"].output),
+            jax.tree.leaves(times["naive"].output),
+            strict=True,
         )
     )
     res: dict[str, Any] = {"N": n, "D": d, "V": v, "chunk_size": chunk, "repeats": repeats}
     for k, t in times.items():
-        res[f"{k}_min_s"] = min(t)
-        res[f"{k}_median_s"] = statistics.median(t)
+        res[f"{k}_min_s"] = t.min_s
+        res[f"{k}_median_s"] = t.median_s
     res["time_ratio_median"] = res["jaxmem_median_s"] / res["naive_median_s"]
     res["time_ratio_min"] = res["jaxmem_min_s"] / res["naive_min_s"]
     res["max_rel_err"] = err
@@ -144,7 +139,8 @@ def bench_selective(batch: int, width: int, layers: int = 6) -> dict[str, Any]:
     train, frozen = trainable(params, last)
     opt = optax.sgd(1e-2)
 
-    # Residual listings need concrete arrays; small values suffice (shapes are what count).
+    # The listing of the loss w.r.t. one part, the rest closed over as concrete arrays (zeros:
+    # shapes are what count).
     conc = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), (params, x))
     c_params, c_x = conc
     c_train, c_frozen = trainable(c_params, last)
@@ -152,10 +148,10 @@ def bench_selective(batch: int, width: int, layers: int = 6) -> dict[str, Any]:
     sel_res = saved_residuals(lambda t: loss(merge(t, c_frozen), c_x), c_train)
     act = (batch, width)
     res: dict[str, Any] = {"batch": batch, "width": width, "layers": layers}
-    res["full_residual_bytes"] = sum(a.size * a.dtype.itemsize for a, _ in full_res)
-    res["trainable_residual_bytes"] = sum(a.size * a.dtype.itemsize for a, _ in sel_res)
-    res["full_activation_residuals"] = sum(tuple(a.shape) == act for a, _ in full_res)
-    res["trainable_activation_residuals"] = sum(tuple(a.shape) == act for a, _ in sel_res)
+    res["full_residual_bytes"] = sum(r.bytes for r in full_res)
+    res["trainable_residual_bytes"] = sum(r.bytes for r in sel_res)
+    res["full_activation_residuals"] = sum(r.shape == act for r in full_res)
+    res["trainable_activation_residuals"] = sum(r.shape == act for r in sel_res)
 
     # Pattern A: jit(grad of all params) returns full grads; masked optax update in a second jit.
     names = ["frozen"] * (layers - 1) + ["train"]
@@ -210,23 +206,17 @@ def bench_selective(batch: int, width: int, layers: int = 6) -> dict[str, Any]:
     return res
 
 
-def _mb(b: float | None) -> str:
-    if b is None:
-        return "-"
-    return f"{b / 2**20:.1f} MB" if b >= 2**20 else f"{b / 2**10:.1f} KB"
-
-
 def _table(ce: dict[str, Any], tm: dict[str, Any] | None, sel: dict[str, Any]) -> str:
     rows = [
         ("case", "figure", "value"),
         (
             f"CE N={ce['N']} D={ce['D']} V={ce['V']} C={ce['chunk_size']}",
             "naive grad temp",
-            _mb(ce["naive_temp_bytes"]),
+            format_mib(ce["naive_temp_bytes"]),
         ),
-        ("", "jaxmem grad temp", _mb(ce["jaxmem_temp_bytes"])),
+        ("", "jaxmem grad temp", format_mib(ce["jaxmem_temp_bytes"])),
         ("", "jaxmem / naive", f"{ce['jaxmem_over_naive']:.4f}"),
-        ("", "jax-cce grad temp", _mb(ce.get("jax_cce_temp_bytes"))),
+        ("", "jax-cce grad temp", format_mib(ce.get("jax_cce_temp_bytes"))),
     ]
     if ce.get("jax_cce_temp_bytes") is not None:
         rows.append(("", "jax-cce / naive", f"{ce['jax_cce_over_naive']:.4f}"))
@@ -246,22 +236,22 @@ def _table(ce: dict[str, Any], tm: dict[str, Any] | None, sel: dict[str, Any]) -
         (
             f"MLP L={sel['layers']} B={sel['batch']} W={sel['width']} (train last)",
             "residuals, all params",
-            _mb(sel["full_residual_bytes"]),
+            format_mib(sel["full_residual_bytes"]),
         ),
-        ("", "residuals, trainable only", _mb(sel["trainable_residual_bytes"])),
+        ("", "residuals, trainable only", format_mib(sel["trainable_residual_bytes"])),
         (
             "",
             "[B, W] residuals all / trainable",
             f"{sel['full_activation_residuals']} / {sel['trainable_activation_residuals']}",
         ),
-        ("", "masked: grad jit temp", _mb(sel["masked_grad_jit_temp_bytes"])),
-        ("", "masked: full grads out", _mb(sel["masked_grad_jit_output_bytes"])),
-        ("", "masked: update jit temp", _mb(sel["masked_update_jit_temp_bytes"])),
-        ("", "masked: max temp + full grads", _mb(sel["masked_bytes"])),
-        ("", "trainable: one jit temp", _mb(sel["trainable_jit_temp_bytes"])),
+        ("", "masked: grad jit temp", format_mib(sel["masked_grad_jit_temp_bytes"])),
+        ("", "masked: full grads out", format_mib(sel["masked_grad_jit_output_bytes"])),
+        ("", "masked: update jit temp", format_mib(sel["masked_update_jit_temp_bytes"])),
+        ("", "masked: max temp + full grads", format_mib(sel["masked_bytes"])),
+        ("", "trainable: one jit temp", format_mib(sel["trainable_jit_temp_bytes"])),
         ("", "trainable / masked", f"{sel['trainable_over_masked']:.3f}"),
-        ("", "one jit, set_to_zero: temp", _mb(sel["one_jit_set_to_zero_temp_bytes"])),
-        ("", "one jit, clip then mask: temp", _mb(sel["one_jit_clip_then_mask_temp_bytes"])),
+        ("", "one jit, set_to_zero: temp", format_mib(sel["one_jit_set_to_zero_temp_bytes"])),
+        ("", "one jit, clip then mask: temp", format_mib(sel["one_jit_clip_then_mask_temp_bytes"])),
         ("", "trainable / clip then mask", f"{sel['trainable_over_one_jit_clip_then_mask']:.3f}"),
     ]
     widths = [max(len(r[i]) for r in rows) for i in range(3)]

@@ -3,6 +3,8 @@
 Subcommands:
   demo  Memory of a small GPT's training-step gradient under remat and scan configurations:
         prints a comparison table and saves a bar chart (``python -m jaxmem demo --help``).
+        The demo is :mod:`jaxmem.demo` (demo code, not library API; also
+        ``python -m jaxmem.demo``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Sequence
 
 def build_parser() -> argparse.ArgumentParser:
     """Returns the parser of ``python -m jaxmem``."""
-    from jaxmem._src import demo
+    from jaxmem.demo import cli as demo  # demo code, imported only when the command line runs
 
     parser = argparse.ArgumentParser(
         prog="python -m jaxmem",
@@ -37,14 +39,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "demo":
-        from jaxmem._src import demo
+        from jaxmem.demo import cli as demo
 
         try:
-            demo.config_from_args(args)
+            demo.check_args(args)
         except ValueError as e:
             parser.error(str(e))
-        if args.batch < 1:
-            parser.error(f"--batch must be a positive int, got {args.batch}")
     return args.run(args)
 
 

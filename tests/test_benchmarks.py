@@ -1,16 +1,15 @@
 """Tests of the benchmark harness (``python -m benchmarks.run``) and its cases."""
 
 import json
-import math
 
 import jax
-import numpy as np
 import pytest
 
-# The listing behind jax.ad_checkpoint.print_saved_residuals; tracing only, nothing compiled.
-from jax._src.ad_checkpoint import saved_residuals
-
 from benchmarks import cases, harness, run
+
+# The structured saved-residual listing (what jax.ad_checkpoint.print_saved_residuals prints);
+# tracing only, nothing compiled.
+from jaxmem._src.listing import saved_residuals
 
 DESIGN_CASES = (
     "rnn_ys",
@@ -26,7 +25,7 @@ def traced_residual_bytes(name: str) -> int:
     """Total bytes of the stock loss's saved-residual listing, from shapes alone."""
     case = cases.CASES[name]
     listing = saved_residuals(case.make_loss(jax.lax.scan), *case.abstract_args())
-    return sum(math.prod(aval.shape) * np.dtype(aval.dtype).itemsize for aval, _ in listing)
+    return sum(r.bytes for r in listing)
 
 
 def test_registry_has_the_design_cases():
@@ -43,13 +42,22 @@ def test_registering_a_name_twice_fails():
         cases.case(cases._rnn_args, name="rnn_ys")(lambda scan: None)
 
 
-@pytest.mark.parametrize(
-    "name, expected",
-    [("rnn_ys", 16.8e6), ("transposed_weights", 80.0e6)],
-)
-def test_stock_residual_bytes_match_design(name, expected):
-    # DESIGN.md section 1; the listing also holds the argument residuals (e.g. W of rnn_ys).
-    assert traced_residual_bytes(name) == pytest.approx(expected, rel=0.05)
+# DESIGN.md section 1's stock figures (MB = 1e6 bytes there), by the JAX version they were
+# measured on: jax >= 0.11.1 stores a residual that is a ys output once, 0.11.2 saves one
+# residual for tanh instead of two.
+DESIGN_STOCK_BYTES = {
+    (0, 10): {"rnn_ys": 16.8e6, "transposed_weights": 80.0e6},
+    (0, 12): {"rnn_ys": 12.6e6, "transposed_weights": 75.5e6},
+}
+
+
+@pytest.mark.parametrize("name", ["rnn_ys", "transposed_weights"])
+def test_stock_residual_bytes_match_design(name):
+    figures = DESIGN_STOCK_BYTES.get(tuple(jax.__version_info__[:2]))
+    if figures is None:
+        pytest.skip(f"DESIGN.md quotes no stock figures for jax {jax.__version__}")
+    # The listing also holds the argument residuals (e.g. W of rnn_ys).
+    assert traced_residual_bytes(name) == pytest.approx(figures[name], rel=0.05)
 
 
 def test_losses_are_scalars_with_gradients_for_every_argument():
@@ -119,3 +127,35 @@ def test_default_variants_follow_jaxmem():
     import jaxmem
 
     assert ("jaxmem" in cases.variants()) == hasattr(jaxmem, "scan")
+
+
+def test_one_bytes_unit_mib():
+    assert harness.MIB == 2**20
+    assert harness.format_mib(48 * 2**20) == "48.0 MiB"
+    assert harness.format_mib(16.8e6) == "16.0 MiB"  # DESIGN.md's 16.8 MB
+    assert harness.format_mib(512 * 2**10) == "0.500 MiB"
+    assert harness.format_mib(None) == "-"
+
+
+def test_table_bytes_are_mib(capsys):
+    assert run.main(["--case", "rnn"], variants={}) == 0
+    printed = capsys.readouterr().out
+    assert " MiB" in printed and " MB" not in printed
+
+
+def test_timing_is_warm_and_interleaved():
+    calls = []
+
+    def fn(label):
+        def f(x):
+            calls.append(label)
+            return x
+
+        return f
+
+    times = harness.time_interleaved({"a": fn("a"), "b": fn("b")}, 1.0, repeats=7)
+    assert calls == ["a", "b"] + ["a", "b"] * 7  # one warm-up run each, then A B A B ...
+    assert list(times) == ["a", "b"]
+    for t in times.values():
+        assert len(t.samples_s) == 7 and t.output == 1.0
+        assert t.min_s == min(t.samples_s) <= t.median_s <= max(t.samples_s)

@@ -1,14 +1,19 @@
-"""Tests of ``python -m jaxmem demo`` and the GPT model it profiles."""
+"""Tests of ``python -m jaxmem demo`` (:mod:`jaxmem.demo`) and the GPT model it profiles."""
 
 import functools
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxmem
 from jaxmem import __main__ as cli
-from jaxmem._src import demo, models
+from jaxmem.demo import cli as demo
+from jaxmem.demo import models
 
 TINY = ["--layers", "2", "--d-model", "32", "--heads", "2", "--d-ff", "64", "--vocab", "128"]
 TINY += ["--seq", "16", "--batch", "2"]
@@ -23,6 +28,43 @@ def test_demo_prints_every_configuration_and_writes_a_png(tmp_path, capsys):
     assert "temp" in printed and "residual" in printed
     data = out.read_bytes()
     assert data.startswith(b"\x89PNG") and len(data) > 1000
+
+
+def test_python_m_jaxmem_demo_has_the_same_command_line(capsys):
+    # The full run is test_demo_prints_every_configuration_and_writes_a_png (same run()).
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxmem.demo", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    assert "python -m jaxmem.demo" in result.stdout
+    for option in ("--layers", "--d-model", "--heads", "--batch", "--output"):
+        assert option in result.stdout
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main(["--d-model", "32", "--heads", "3"])
+    assert exit_info.value.code == 2
+    assert "num_heads=3 must divide d_model=32" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        demo.main(["--batch", "0"])
+    assert "--batch must be a positive int" in capsys.readouterr().err
+
+
+def test_the_library_never_imports_the_demo():
+    # STYLE.md 13: the demo lives outside the core; importing jaxmem (and its public
+    # namespaces) must not load jaxmem.demo. A fresh interpreter: this one has loaded it.
+    code = (
+        "import sys, jaxmem, jaxmem.policies, jaxmem.offload, jaxmem.losses, jaxmem.flax.linen, "
+        "jaxmem.flax.nnx; print(sorted(m for m in sys.modules if m.startswith('jaxmem.demo')))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
+    )
+    assert result.stdout.strip() == "[]"
+    src = pathlib.Path(jaxmem.__file__).parent / "_src"
+    for path in [src.parent / "__init__.py", *sorted(src.glob("*.py"))]:
+        assert "jaxmem.demo" not in path.read_text(), f"{path} mentions jaxmem.demo"
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"]])

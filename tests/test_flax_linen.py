@@ -11,7 +11,7 @@ import pytest
 
 import jaxmem.policies as policies
 from benchmarks import flax as flax_bench
-from jaxmem._src.models import Block as GPTBlock
+from jaxmem.demo.models import Block as GPTBlock
 from jaxmem.flax import linen as jl
 
 L = 3

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmem._src import models
 from jaxmem._src.names import ATTENTION_CORE, NAMES, name
+from jaxmem.demo import models
 
 
 def test_every_name_has_a_one_line_meaning():

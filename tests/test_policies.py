@@ -1,6 +1,6 @@
 """Tests of :mod:`jaxmem.policies`: semantics read structurally from the saved residuals.
 
-The reference GPT block (:class:`jaxmem._src.models.Block`, tagged with the name vocabulary) is
+The reference GPT block (:class:`jaxmem.demo.models.Block`, tagged with the name vocabulary) is
 stacked ``L`` times with ``jax.lax.scan(jax.checkpoint(step, policy=p))`` and with
 ``jaxmem.scan(step, ..., policy=p)``, and each policy is judged by the residuals the gradient
 stacks per layer: their shapes, their memory space (an offloaded residual has a ``<host>`` aval,
@@ -22,14 +22,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src import core
-from jax._src.ad_checkpoint import saved_residuals
 
 import jaxmem
 import jaxmem.policies as policies
-from jaxmem._src import models
+from jaxmem._src import jax_compat as _jc
 from jaxmem._src import policies as policies_src
+from jaxmem._src.listing import saved_residuals
 from jaxmem._src.names import NAMES, name
+from jaxmem.demo import models
 
 B, S, D, A, F, L = 2, 8, 12, 3, 20, 3  # batch, seq, width, heads, MLP width, layers
 K = D // A
@@ -100,7 +100,7 @@ class Stacked:
 
 def _body_source(scan_eqn, index: int) -> str | None:
     """What the scan body's output ``index`` is: a checkpoint name, "carry", or None."""
-    body = scan_eqn.params["jaxpr"].jaxpr
+    body = _jc.open_jaxpr(scan_eqn.params["jaxpr"])
     producers = {v: e for e in body.eqns for v in e.outvars}
     v = body.outvars[index]
     while v in producers and producers[v].primitive.name in ("reduce_precision", "device_put"):
@@ -109,8 +109,9 @@ def _body_source(scan_eqn, index: int) -> str | None:
         eqn = producers[v]
         return eqn.params["name"] if eqn.primitive.name == "name" else None
     if v in body.invars:
-        i = body.invars.index(v) - scan_eqn.params["num_consts"]
-        return "carry" if 0 <= i < scan_eqn.params["num_carry"] else "xs"
+        num_consts, num_carry = _jc.scan_counts(scan_eqn)
+        i = body.invars.index(v) - num_consts
+        return "carry" if 0 <= i < num_carry else "xs"
     return None
 
 
@@ -120,14 +121,14 @@ def stacked_residuals(loss, *args) -> list[Stacked]:
     producers = {v: e for e in jaxpr.eqns for v in e.outvars}
     out = []
     for v in jaxpr.outvars:
-        eqn = producers.get(v) if isinstance(v, core.Var) else None
+        eqn = producers.get(v) if _jc.is_var(v) else None
         if eqn is None or eqn.primitive.name != "scan" or v.aval.shape[:1] != (L,):
             continue
         out.append(
             Stacked(
                 shape=tuple(v.aval.shape[1:]),
                 dtype=str(v.aval.dtype),
-                host=v.aval.memory_space == core.MemorySpace.Host,
+                host=_jc.is_host(v.aval),
                 what=_body_source(eqn, eqn.outvars.index(v)),
             )
         )
@@ -268,8 +269,8 @@ def test_presets_behave_as_jax(scan, ours, theirs):
 
     def listing(policy):  # as a multiset: jaxmem.scan's stacking order is its own
         return sorted(
-            (a.str_short(), src)
-            for a, src in saved_residuals(make_loss(SCANS[scan], policy), *args)
+            (r.aval.str_short(), r.description)
+            for r in saved_residuals(make_loss(SCANS[scan], policy), *args)
         )
 
     assert listing(ours) == listing(theirs)
@@ -299,7 +300,7 @@ def test_user_names_are_allowed_when_asked_for():
         return jnp.sin(name(jnp.sin(x), "my_value", allow_unknown=True))
 
     policy = policies.save("my_value", allow_unknown=True)
-    srcs = [src for _, src in saved_residuals(jax.checkpoint(f, policy=policy), 1.0)]
+    srcs = [r.description for r in saved_residuals(jax.checkpoint(f, policy=policy), 1.0)]
     assert any("named 'my_value'" in s for s in srcs)
 
 
@@ -513,35 +514,3 @@ def test_unsupported_offload_warns_once_and_saves_on_device(monkeypatch):
     assert not any(r.host for r in first + second)
     assert whats(first)["decoder_layer_input"] == 1
     assert layouts(second) == {tuple(sorted(CARRY)): 1, tuple(sorted(ATTN_OUT)): 1}
-
-
-# ------------------------------------------------------------------------------------------
-# Korthikanti et al. 2022: activation bytes per layer with 16-bit activations.
-
-
-KB, KS, KH, KA = 1, 256, 64, 4  # 5 a s / h = 80: the attention core dominates without remat
-SBH = KS * KB * KH
-
-
-def test_korthikanti_bytes_per_layer():
-    measure = functools.partial(policies_src.block_residual_bytes, b=KB, s=KS, h=KH, a=KA)
-    assert measure(policies.nothing) == 2 * SBH  # the layer input, 2sbh
-    selective = measure(policies.selective())
-    assert 0.75 * 34 * SBH <= selective <= 1.15 * 34 * SBH  # the paper's 34sbh
-    everything = measure(policies.everything)
-    assert everything >= 0.85 * SBH * (34 + 5 * KA * KS / KH)  # the paper's sbh(34 + 5as/h)
-    # jaxmem.scan stacks no more than lax.scan under the same policy.
-    assert measure(policies.selective(), scan=jaxmem.scan) <= selective
-
-
-def test_korthikanti_table():
-    table = policies_src.korthikanti_table(KB, KS, KH, KA)
-    lines = table.splitlines()
-    assert lines[0].startswith("| policy | measured B/layer |") and "ratio" in lines[0]
-    assert len(lines) == 6
-    row = {line.split(" | ")[0].lstrip("| "): line for line in lines[2:]}
-    assert row["nothing (full remat)"].endswith(f"| 2sbh | {2 * SBH:,} | 1.00 |")
-    assert f"| 34sbh | {34 * SBH:,} |" in row["selective()"]
-    assert (
-        f"| sbh(34 + 5as/h) | {SBH * (34 + 5 * KA * KS // KH):,} |" in row["everything (no remat)"]
-    )

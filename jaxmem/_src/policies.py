@@ -37,16 +37,14 @@ References:
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-from jax._src.ad_checkpoint import name_p as _name_p
 from jax.ad_checkpoint import Offloadable, Recompute, Saveable
 
+from jaxmem._src import jax_compat as _jc
 from jaxmem._src.names import ATTENTION_CORE, check_name, check_names
 
 ACTIONS = ("device", "offload", "remat")
@@ -112,7 +110,7 @@ def _offload_or_fallback() -> Offloadable | bool:
 
 
 def _is_name(prim: Any) -> bool:
-    return prim is _name_p
+    return prim is _jc.name_p
 
 
 class Policy:
@@ -770,138 +768,3 @@ def by_name(policy_name: str) -> Policy:
             "custom(...) in code."
         )
     return _PRESETS[key]
-
-
-# ------------------------------------------------------------------------------------------
-# Measuring a policy on the reference transformer block (Korthikanti et al. 2022, table 2).
-
-
-def block_residual_bytes(
-    policy: Callable[..., Any] | None,
-    b: int,
-    s: int,
-    h: int,
-    a: int,
-    f: int | None = None,
-    *,
-    layers: int = 2,
-    dtype: Any = jnp.bfloat16,
-    scan: Callable[..., Any] | None = None,
-) -> float:
-    """Residual bytes per layer that the gradient of a scanned reference block stack saves.
-
-    The stack is ``layers`` :class:`jaxmem._src.models.Block` layers (pre-LN, causal softmax
-    attention, GELU MLP) with parameters and activations in ``dtype``, run by ``scan`` (default
-    :func:`jax.lax.scan`) over ``jax.checkpoint(step, policy=policy)`` (no checkpoint when
-    ``policy`` is None). Counted from the saved-residual listing
-    (:func:`jax.ad_checkpoint.print_saved_residuals`), built from shapes only: the loop-stacked
-    residuals (those with a leading axis of ``layers``, not arguments), divided by ``layers``.
-
-    Args:
-      policy: a remat policy, or None for no remat.
-      b: batch size.
-      s: sequence length.
-      h: model width (``d_model``).
-      a: attention heads.
-      f: MLP width; ``4 * h`` by default.
-      layers: layers in the stack.
-      dtype: parameter and activation dtype.
-      scan: the scan implementation, :func:`jax.lax.scan` or :func:`jaxmem.scan`.
-
-    Returns:
-      Stacked residual bytes divided by ``layers``.
-
-    Examples:
-      >>> block_residual_bytes(nothing, b=1, s=8, h=16, a=2)  # the layer input, 2 s b h
-      256.0
-    """
-    from jax._src.ad_checkpoint import saved_residuals
-
-    from jaxmem._src import models
-
-    f = 4 * h if f is None else f
-    block = models.Block(num_heads=a, d_ff=f)
-    x = jax.ShapeDtypeStruct((b, s, h), dtype)
-    one = jax.eval_shape(block.init, jax.random.key(0), x)["params"]
-    params = jax.tree.map(lambda p: jax.ShapeDtypeStruct((layers, *p.shape), dtype), one)
-
-    def step(carry, p):
-        return block.apply({"params": p}, carry), None
-
-    if scan is None:
-        scan = jax.lax.scan
-        if policy is not None:
-            step = jax.checkpoint(step, policy=policy, prevent_cse=False)
-
-        def run(x, params):
-            return scan(step, x, params)[0]
-    else:
-
-        def run(x, params):
-            return scan(step, x, params, policy=policy)[0]
-
-    def loss(x, params):
-        return jnp.sum(run(x, params).astype(jnp.float32))
-
-    total = 0
-    for aval, src in saved_residuals(loss, x, params):
-        if not src.startswith("from the argument") and aval.shape[:1] == (layers,):
-            total += math.prod(aval.shape) * jnp.dtype(aval.dtype).itemsize
-    return total / layers
-
-
-def korthikanti_table(b: int, s: int, h: int, a: int, f: int | None = None) -> str:
-    """A markdown table: measured residual bytes per layer vs Korthikanti et al.'s formulas.
-
-    Measures :func:`block_residual_bytes` (bf16 parameters and activations, ``jax.lax.scan``)
-    under ``everything`` (no recomputation), ``dots``, ``selective()`` and ``nothing`` (full
-    recomputation), next to the paper's 16-bit figures per layer: ``s b h (34 + 5 a s / h)``
-    with no recomputation, ``34 s b h`` selective, ``2 s b h`` full (``34`` is ``18 + 4 f / h``
-    for an MLP of width ``f``). The paper's block has dropout (1-byte masks) and keeps the
-    LayerNorm outputs; ours has no dropout, and the JAX policies decide what else is kept.
-
-    Args:
-      b: batch size.
-      s: sequence length.
-      h: model width.
-      a: attention heads.
-      f: MLP width, ``4 * h`` by default.
-
-    Returns:
-      The table, in markdown.
-
-    Examples:
-      >>> print(korthikanti_table(b=1, s=8, h=16, a=2))  # doctest: +NORMALIZE_WHITESPACE
-      | policy | measured B/layer | measured/sbh | paper formula | paper B/layer | ratio |
-      |---|---:|---:|---|---:|---:|
-      | everything (no remat) | ... | ... | sbh(34 + 5as/h) | 4,992 | ... |
-      | dots | ... | ... | - | - | - |
-      | selective() | 3,584 | 28.0 | 34sbh | 4,352 | 0.82 |
-      | nothing (full remat) | 256 | 2.0 | 2sbh | 256 | 1.00 |
-
-    References:
-      Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",
-      2022, table 2, https://arxiv.org/abs/2205.05198.
-    """
-    f = 4 * h if f is None else f
-    sbh = s * b * h
-    k = 18 + 4 * f / h  # 34 when f = 4h
-    kk = f"{k:g}"
-    rows = [
-        ("everything (no remat)", everything, f"sbh({kk} + 5as/h)", sbh * (k + 5 * a * s / h)),
-        ("dots", dots, "-", None),
-        ("selective()", Selective(), f"{kk}sbh", sbh * k),
-        ("nothing (full remat)", nothing, "2sbh", 2 * sbh),
-    ]
-    lines = [
-        "| policy | measured B/layer | measured/sbh | paper formula | paper B/layer | ratio |",
-        "|---|---:|---:|---|---:|---:|",
-    ]
-    for label, policy, formula, paper in rows:
-        measured = block_residual_bytes(policy, b, s, h, a, f)
-        paper_cells = ("-", "-") if paper is None else (f"{paper:,.0f}", f"{measured / paper:.2f}")
-        lines.append(
-            f"| {label} | {measured:,.0f} | {measured / sbh:.1f} | {formula} | "
-            f"{paper_cells[0]} | {paper_cells[1]} |"
-        )
-    return "\n".join(lines)

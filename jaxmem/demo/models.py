@@ -1,5 +1,7 @@
 """A small GPT-style Flax linen language model whose layer stack runs through a pluggable scan.
 
+Demo and reference code (see :mod:`jaxmem.demo`), not library API.
+
 The transformer blocks' parameters are stacked over a leading layer axis (initialised with
 :func:`jax.vmap` over ``Block.init`` with split keys) and applied by
 ``scan_impl(step, h, stacked_params)``, where ``step`` calls ``Block().apply({"params": p}, h)``.
@@ -30,12 +32,19 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
 
-from jaxmem._src.names import name
+import jaxmem
+from jaxmem import name
+
+try:
+    import flax.linen as nn
+except ImportError as e:
+    raise ImportError(
+        f"jaxmem.demo needs Flax, an optional dependency: pip install 'jaxmem[flax]' ({e})"
+    ) from e
 
 ScanImpl = Callable[..., Any]
 Policy = Callable[..., bool]
@@ -79,7 +88,7 @@ class Block(nn.Module):
     """Pre-LN transformer block: ``h + attn(LN(h))``, then ``h + mlp(LN(h))``.
 
     Causal multi-head softmax attention with a fused qkv projection, and a GELU MLP. Its
-    activations carry the standard checkpoint names (:data:`jaxmem._src.names.NAMES`:
+    activations carry the standard checkpoint names (:data:`jaxmem.NAMES`:
     ``decoder_layer_input``, ``qkv_proj``, ``attention_scores``, ``attention_probs``,
     ``attention_out``, ``out_proj``, ``mlp_in``, ``mlp_act``, ``mlp_out``) so name-based remat
     policies (:mod:`jaxmem.policies`) can select them.
@@ -193,8 +202,6 @@ def linear_ce_next_token_loss(model: GPT) -> Callable[[Any, jax.Array], jax.Arra
     The output projection and the cross-entropy run chunk by chunk over the vocabulary, so the
     ``[batch, seq, vocab]`` logits never exist.
     """
-    from jaxmem._src.losses import linear_cross_entropy
-
     hidden_model = model.clone(return_hidden=True)
 
     def loss(params: Any, tokens: jax.Array) -> jax.Array:
@@ -203,7 +210,7 @@ def linear_ce_next_token_loss(model: GPT) -> Callable[[Any, jax.Array], jax.Arra
             w = params["embed"]["embedding"].T
         else:
             w = params["head"]["kernel"]
-        return linear_cross_entropy(h[:, :-1], w, tokens[:, 1:])
+        return jaxmem.losses.linear_cross_entropy(h[:, :-1], w, tokens[:, 1:])
 
     return loss
 

@@ -1,11 +1,15 @@
-"""``python -m jaxmem demo``: memory of a GPT training step's gradient under several configurations.
+"""The memory demo: a GPT training step's gradient under several scan and remat configurations.
 
-The same small GPT (:mod:`jaxmem._src.models`) is differentiated with its layer stack run by
+Demo code (see :mod:`jaxmem.demo`), not library API. Run it as ``python -m jaxmem demo`` (what
+``make demo`` runs) or ``python -m jaxmem.demo``, with the same options (``--help``).
+
+The same small GPT (:mod:`jaxmem.demo.models`) is differentiated with its layer stack run by
 ``jax.lax.scan`` with no remat, with ``jax.checkpoint`` under the ``nothing_saveable`` and
 ``dots_saveable`` policies, and, where this install has it, by ``jaxmem.scan``. For each
 configuration the demo compiles ``jax.jit(jax.grad(loss))`` and lists the residuals the gradient
 saves (both from shapes alone: parameters and tokens are ``jax.ShapeDtypeStruct``), prints one
-table with ratios to the first configuration, and saves a bar chart.
+table with ratios to the first configuration (sizes in binary units, as
+:func:`jaxmem.profile` prints them), and saves a bar chart.
 """
 
 from __future__ import annotations
@@ -15,12 +19,13 @@ import dataclasses
 import functools
 import math
 import time
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
 import jaxmem
-from jaxmem._src import models
+from jaxmem.demo import models
 
 DEFAULT_OUTPUT = "demo_memory.png"
 
@@ -137,6 +142,18 @@ def config_from_args(args: argparse.Namespace) -> models.GPTConfig:
     )
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Checks the parsed options before anything is traced.
+
+    Raises:
+      ValueError: sizes that make no model (e.g. heads that do not divide ``--d-model``) or a
+        batch below 1; the message says which option to change.
+    """
+    config_from_args(args)
+    if args.batch < 1:
+        raise ValueError(f"--batch must be a positive int, got {args.batch}")
+
+
 # Nothing is run, only compiled for its memory analysis; buffer assignment happens before LLVM,
 # so its optimization level changes compile time (about halved), never the memory figures.
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
@@ -227,3 +244,21 @@ def run(args: argparse.Namespace) -> int:
     path = comparison.plot(args.output)
     print(f"\nwrote {path} ({time.perf_counter() - start:.1f} s)")
     return 0
+
+
+def build_parser(prog: str = "python -m jaxmem.demo") -> argparse.ArgumentParser:
+    """Returns the parser of the demo's own command line, ``python -m jaxmem.demo``."""
+    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
+    add_arguments(parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs ``python -m jaxmem.demo`` with ``argv`` (default ``sys.argv[1:]``); returns 0."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        check_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    return run(args)
