@@ -388,7 +388,10 @@ def test_policies_print_as_the_call_that_builds_them():
     )
     assert repr(policies.selective()) == "selective()"
     combined = jax.checkpoint_policies.dots_saveable | policies.selective()
-    assert repr(combined).startswith("either(DotsSaveable(") and "selective()" in repr(combined)
+    # jax's own policy: DotsSaveable(...) on jax 0.10, the function's dotted name on 0.12.
+    text = repr(combined)
+    assert text.startswith("either(") and text.endswith(", selective())")
+    assert "dots" in text.lower()
     # Round trip: the repr evaluates back to an equal policy.
     for p in GRADIENT_POLICIES.values():
         assert eval(repr(p), vars(policies)) == p  # noqa: S307 - our own reprs
