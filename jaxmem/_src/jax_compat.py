@@ -207,3 +207,18 @@ def scan_counts(eqn) -> tuple[int, int]:
         return params["num_consts"], params["num_carry"]
     consts, carry, _ = params["ft_in"].elts
     return len(list(consts.vals)), len(list(carry.vals))
+
+
+def zero_cotangent(aval):
+    """A symbolic zero cotangent for an output of type ``aval``, for the function ``jax.vjp``
+    returns.
+
+    Private: ``jax.interpreters.ad.Zero`` (0.10 and 0.12). ``jax.vjp``'s function accepts it in
+    place of an array (``is_leaf=isinstance(x, ad.Zero)`` in its cotangent flattening) and its
+    transpose then skips every equation whose output cotangents are all zero, so residuals only
+    those equations read are not read. The public ``jax.custom_derivatives.SymbolicZero`` (what
+    a ``symbolic_zeros=True`` custom VJP receives) is a different class and is rejected there.
+    """
+    from jax.interpreters import ad
+
+    return ad.Zero(aval.to_ct_aval())

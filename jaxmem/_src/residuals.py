@@ -323,6 +323,9 @@ class StepPlan:
     hoist: Any
     forward: Any
     rebuild: Any
+    # Per carry leaf: the index of a y output that *is* its carry-in (the body returns its carry
+    # as a y) when its sequence is kept: the kept sequence is that ys stack, not a copy; or -1.
+    carry_seq_y: tuple[int, ...] = ()
 
     # Variable groups of J, by name.
     @property
@@ -368,13 +371,13 @@ def classify(traced: TracedStep, const_only: set, stores: Stores, from_y) -> tup
     """Where the backward step gets each residual (one of RESIDUAL_CLASSES)."""
     n_carry = len(traced.carry_in)
     x_set = set(traced.x_in)
-    stored = {v for v in stores.stored if v not in const_only}
+    y_set = {v for v in traced.y_out if _is_var(v)}
+    stored = {v for v in stores.stored if v not in const_only and v not in y_set}
     carry_set = (
         {traced.carry_in[i] for i in stores.kept_carry}
         | {traced.carry_out[i] for i in stores.kept_carry if _is_var(traced.carry_out[i])}
         | {traced.carry_in[i] for i in range(n_carry) if from_y[i] >= 0}
     )
-    y_set = {v for v in traced.y_out if _is_var(v)}
     classes = []
     for v in traced.res_out:
         if not _is_var(v) or v in const_only:
@@ -460,14 +463,19 @@ def plan_step(body, n_consts: int, n_carry: int, in_avals: Sequence, recompute: 
     traced = trace_step_vjp(body, n_consts, n_carry, in_avals)
     const_only = loop_invariants(traced)
     from_y = carry_from_ys(traced)
-    base_free = (
-        const_only
-        | set(traced.x_in)
-        | {v for v in traced.y_out if _is_var(v)}
-        | {traced.carry_in[i] for i, j in enumerate(from_y) if j >= 0}
-    )
+    # A y the backward step reads is not copied, but it is not free either: reading it keeps its
+    # whole stack alive through the backward loop (lax.scan frees ys once the loss's backward has
+    # read them, and never computes ys the loss ignores). So the min-cut prices a y like any
+    # stored value, and a carry leaf whose carry-out is a y like any kept carry sequence; what
+    # it picks among the y outputs is then read from ys, not stacked again.
+    y_vars = {v for v in traced.y_out if _is_var(v)}
+    base_free = const_only | set(traced.x_in)
     cheap = _is_cheap if recompute == "cheap" else (lambda eqn: False)
-    stores = choose_stores(traced, base_free, carry_candidates(traced, from_y), cheap)
+    stores = choose_stores(
+        traced, base_free, carry_candidates(traced, [-1] * len(traced.carry_in)), cheap
+    )
+    # Kept carry leaves whose carry-out is a y are read from ys (shifted), not stacked.
+    from_y = [j if i in stores.kept_carry else -1 for i, j in enumerate(from_y)]
 
     # What the backward step evaluates, and from what.
     available = stores.free | stores.stored
@@ -481,12 +489,21 @@ def plan_step(body, n_consts: int, n_carry: int, in_avals: Sequence, recompute: 
         for v in dict.fromkeys(itertools.chain(targets, stores.stored, read_by_bwd))
         if v in const_only and v in eqn_outs and v in available
     )
-    stacked = tuple(v for v in dict.fromkeys(stores.stored) if v not in const_only)
-    stack_carry = tuple(i in stores.kept_carry for i in range(n_carry))
+    stacked = tuple(
+        v for v in dict.fromkeys(stores.stored) if v not in const_only and v not in y_vars
+    )
+    stack_carry = tuple(i in stores.kept_carry and from_y[i] < 0 for i in range(n_carry))
+    carry_seq_y = tuple(
+        traced.y_out.index(v) if stack_carry[i] and v in y_vars else -1
+        for i, v in enumerate(traced.carry_in)
+    )
     carry_in_read = tuple(v in read_by_bwd for v in traced.carry_in)
     need_y = [_is_var(v) and v in read_by_bwd and v not in const_only for v in traced.y_out]
     for i, j in enumerate(from_y):
         if j >= 0 and carry_in_read[i]:
+            need_y[j] = True
+    for j in carry_seq_y:
+        if j >= 0:
             need_y[j] = True
     need_y = tuple(need_y)
     hoist, forward, rebuild = build_jaxprs(
@@ -504,6 +521,7 @@ def plan_step(body, n_consts: int, n_carry: int, in_avals: Sequence, recompute: 
         hoist=hoist,
         forward=forward,
         rebuild=rebuild,
+        carry_seq_y=carry_seq_y,
     )
 
 
@@ -645,8 +663,10 @@ def summarize(plan: StepPlan, length: int, stock_stacked_bytes: int | None) -> S
         tuple(planned(v, "stacked") for v in plan.stacked_vars)
         + tuple(
             planned(v, "carry")
-            for v, keep in zip(plan.carry_invars, plan.stack_carry, strict=True)
-            if keep
+            for v, keep, j in zip(
+                plan.carry_invars, plan.stack_carry, plan.carry_seq_y, strict=True
+            )
+            if keep and j < 0  # a kept sequence that is a ys stack is listed as that y
         )
         + tuple(
             planned(v, "ys") for v, need in zip(plan.y_outvars, plan.need_y, strict=True) if need
@@ -660,3 +680,53 @@ def summarize(plan: StepPlan, length: int, stock_stacked_bytes: int | None) -> S
         stacked_bytes=per_step * length,
         stock_stacked_bytes=stock_stacked_bytes,
     )
+
+
+# ------------------------------------------------------------------------------------------
+# Which cotangents of the backward loop can be nonzero (known only in the backward pass).
+
+
+def live_cotangents(traced: TracedStep, live_final: Sequence[bool], live_y: Sequence[bool]):
+    """Which cotangents of a step can be nonzero in the backward loop, given the loss's.
+
+    Args:
+      traced: the step's VJP.
+      live_final: per carry leaf, whether the cotangent of the final carry can be nonzero (False
+        where the custom VJP got a symbolic zero: the loss ignores that leaf of the final carry).
+      live_y: per y leaf, the same for the ys.
+
+    Returns:
+      ``(live_carry, live_in)``. ``live_carry``: per carry leaf, whether its cotangent can be
+      nonzero in some step: a fixed point over the steps, since the carry-in cotangent of a step
+      is nonzero only if the carry-in reaches, in the step's dataflow, a carry-out or a y whose
+      cotangent is nonzero (what ``lax.scan``'s DCE of its linearized loop finds). ``live_in``:
+      per input of ``J`` (consts, carry, x), whether it reaches an output with a nonzero
+      cotangent. All other cotangents are zero in every step. Conservative: an equation's
+      outputs depend on all its inputs.
+    """
+    jaxpr = traced.jaxpr
+    deps: dict = {v: 1 << k for k, v in enumerate(jaxpr.invars)}
+    for eqn in jaxpr.eqns:
+        mask = 0
+        for u in eqn.invars:
+            if _is_var(u):
+                mask |= deps.get(u, 0)
+        if mask:
+            for v in eqn.outvars:
+                deps[v] = mask
+    dep = lambda v: deps.get(v, 0) if _is_var(v) else 0
+    from_ys = 0
+    for v, live in zip(traced.y_out, live_y, strict=True):
+        if live:
+            from_ys |= dep(v)
+    n_consts = len(traced.const_in)
+    live = [bool(b) for b in live_final]
+    while True:
+        reach = from_ys
+        for j, v in enumerate(traced.carry_out):
+            if live[j]:
+                reach |= dep(v)
+        new = [live[i] or bool(reach >> (n_consts + i) & 1) for i in range(len(live))]
+        if new == live:
+            return live, [bool(reach >> k & 1) for k in range(len(jaxpr.invars))]
+        live = new

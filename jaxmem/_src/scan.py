@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.tree_util import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from jaxmem._src import checks
@@ -248,6 +249,14 @@ def _with_zeros(avals, indices, values, length=None):
     return out
 
 
+def _with_symbolic_zeros(avals, indices, values):
+    """Cotangents for the step's VJP: ``values`` at ``indices``, symbolic zeros elsewhere."""
+    out = [_jc.zero_cotangent(a) for a in avals]
+    for i, value in zip(indices, values, strict=True):
+        out[i] = value
+    return out
+
+
 _OFFLOAD_MODES = ("residuals", "carries", "all")
 
 
@@ -365,7 +374,8 @@ class _LeanScan:
         # Memory spaces of the inputs: inputs in host memory get their cotangents there.
         self.spaces = spaces
         self.run = jax.custom_vjp(self._primal)
-        self.run.defvjp(self._fwd, self._bwd)
+        # Symbolic zeros: the backward pass learns which cotangents the loss makes zero.
+        self.run.defvjp(self._fwd, self._bwd, symbolic_zeros=True)
 
     @functools.cached_property
     def plan(self) -> _Plan:
@@ -390,6 +400,10 @@ class _LeanScan:
         return self._scan(lambda c, x: self.body(consts, c, x), init, xs, self.reverse)
 
     def _fwd(self, consts, init, xs):
+        # With symbolic_zeros=True each leaf comes as CustomVJPPrimal(value, perturbed).
+        consts, init, xs = jax.tree.map(
+            lambda p: p.value, (consts, init, xs), is_leaf=lambda p: isinstance(p, CustomVJPPrimal)
+        )
         plan = self.plan
         step_plan = plan.step
         n_carry, n_y = self.body.n_carry, len(step_plan.y_outvars)
@@ -403,13 +417,22 @@ class _LeanScan:
                 _to_host(v) if off else v
                 for v, off in zip(stacked, plan.offload_stacked, strict=True)
             ]
-            kept = [c for c, keep in zip(carry, step_plan.stack_carry, strict=True) if keep]
-            kept = [
-                _to_host(c) if off else c for c, off in zip(kept, plan.offload_carry, strict=True)
-            ]
+            kept = [_to_host(carry[i]) if off else carry[i] for i, off in emitted]
             return list(c_out), (list(y), stacked, kept)
 
+        # Kept carry sequences; one whose carry-in is a y output is that ys stack (not emitted).
+        kept_leaves = [i for i, keep in enumerate(step_plan.stack_carry) if keep]
+        emitted = [
+            (i, off)
+            for i, off in zip(kept_leaves, plan.offload_carry, strict=True)
+            if step_plan.carry_seq_y[i] < 0
+        ]
         final, (ys, stacked, carry_seq) = self._scan(step, list(init), list(xs), self.reverse)
+        carry_seq = iter(carry_seq)
+        carry_seq = [
+            ys[step_plan.carry_seq_y[i]] if step_plan.carry_seq_y[i] >= 0 else next(carry_seq)
+            for i in kept_leaves
+        ]
         saved = _Saved(
             consts=list(consts),
             hoisted=list(hoisted),
@@ -450,6 +473,23 @@ class _LeanScan:
         float_carry = [i for i, a in enumerate(carry_avals) if _is_float(a)]
         float_x = [i for i, a in enumerate(x_avals) if _is_float(a)]
         float_y = [i for i, a in enumerate(y_avals) if _is_float(a)]
+        # Cotangents that are zero in every step (DESIGN.md section 2, step 5): the ys and final
+        # carry leaves the loss ignores (symbolic zeros), carry leaves that reach no output with
+        # a nonzero cotangent, and the inputs that reach none. The step's VJP gets symbolic zeros
+        # for them, so what only their paths read (the carry sequence of a carry the loss never
+        # sees, say) is never read and XLA drops its stack, as lax.scan's DCE does; the loop
+        # neither carries nor emits their cotangents (zeros are returned, made outside the loop).
+        is_zero = lambda ct: isinstance(ct, SymbolicZero)
+        live_carry, live_in = _res.live_cotangents(
+            step_plan.traced,
+            [_is_float(a) and not is_zero(ct) for a, ct in zip(carry_avals, ct_final, strict=True)],
+            [_is_float(a) and not is_zero(ct) for a, ct in zip(y_avals, ct_ys, strict=True)],
+        )
+        n_in = len(const_avals) + len(carry_avals)
+        float_consts = [i for i in float_consts if live_in[i]]
+        float_carry = [i for i in float_carry if live_carry[i]]
+        float_x = [i for i in float_x if live_in[n_in + i]]
+        float_y = [i for i in float_y if not is_zero(ct_ys[i])]
         rebuild = _jc.jaxpr_as_fun(step_plan.rebuild)
 
         def step(bcarry, inp):
@@ -475,8 +515,8 @@ class _LeanScan:
             vjp_fn = tree_unflatten(step_plan.res_treedef, res)
             d_consts, d_carry, d_x = vjp_fn(
                 (
-                    _with_zeros(carry_avals, float_carry, ct_carry),
-                    _with_zeros(y_avals, float_y, ct_y),
+                    _with_symbolic_zeros(carry_avals, float_carry, ct_carry),
+                    _with_symbolic_zeros(y_avals, float_y, ct_y),
                 )
             )
             new_ct_consts = [
@@ -486,7 +526,12 @@ class _LeanScan:
             return (new_ct_carry, new_ct_consts, list(c_in)), [d_x[i] for i in float_x]
 
         init_b = (
-            [ct_final[i] for i in float_carry],
+            # A live leaf's final cotangent can still be a symbolic zero (the loss ignores the
+            # final carry, a y reads the carry).
+            [
+                _zeros_ct(carry_avals[i]) if is_zero(ct_final[i]) else ct_final[i]
+                for i in float_carry
+            ],
             [jnp.zeros(const_avals[i].shape, const_avals[i].dtype) for i in float_consts],
             list(saved.final_kept),
         )
