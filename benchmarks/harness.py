@@ -130,6 +130,9 @@ class Column:
       peak_bytes: Peak bytes of the jitted gradient, where the backend reports one.
       residual_bytes: Total bytes of the loss's saved-residual listing.
       residual_bytes_by_origin: The same total split by origin (argument, loop-stacked, ...).
+      kept_bytes: What the backward pass keeps from the loop: ``lax.scan``'s loop-stacked
+        residuals for stock; for ``jaxmem.scan`` its plans' ``ScanPlan.stacked_bytes`` (partial
+        activations, kept carry sequences and the ys read back), summed over the loss's scans.
       time_min_s: Fastest timed step, seconds (None unless timed).
       time_median_s: Median timed step, seconds (None unless timed).
       grad_rel_err: For a timed variant, max |g - g_stock| / max |g_stock| over all gradients.
@@ -143,6 +146,7 @@ class Column:
     peak_bytes: int | None = None
     residual_bytes: int | None = None
     residual_bytes_by_origin: dict[str, int] = dataclasses.field(default_factory=dict)
+    kept_bytes: int | None = None
     time_min_s: float | None = None
     time_median_s: float | None = None
     grad_rel_err: float | None = None
@@ -203,6 +207,10 @@ def measure_memory(case: Case, label: str, scan_impl: ScanImpl) -> Column:
     col.peak_bytes = grad_report.peak_bytes
     col.residual_bytes = loss_report.residual_bytes
     col.residual_bytes_by_origin = dict(loss_report.residual_bytes_by_origin or {})
+    if loss_report.scan_plans:
+        col.kept_bytes = sum(p.stacked_bytes for p in loss_report.scan_plans)
+    else:
+        col.kept_bytes = col.residual_bytes_by_origin.get("loop-stacked")
     return col
 
 
@@ -332,6 +340,7 @@ def to_dict(
                         "temp_bytes",
                         "residual_bytes",
                         "residual_bytes_non_argument",
+                        "kept_bytes",
                         "time_min_s",
                         "time_median_s",
                     )
@@ -351,12 +360,16 @@ def format_table(results: Sequence[CaseResult], *, timed: bool) -> str:
     Bytes are in MiB (2^20 bytes); ``xR`` is the ratio to the stock figure of the same run.
     ``temp``: compiled temp bytes of the jitted gradient. ``resid``: total of the loss's
     saved-residual listing. ``w/o args``: the same without residuals that are the loss's own
-    arguments (alive anyway; DESIGN.md section 1 counts the rest). ``time``: step time of the
+    arguments (alive anyway; DESIGN.md section 1 counts the rest). ``kept``: what the backward
+    pass keeps from the loop (:attr:`Column.kept_bytes`). ``time``: step time of the
     jitted gradient, min over repeats for stock; min and median ratios for variants.
     """
     labels = list(results[0].columns) if results else [STOCK]
-    groups = [("", ["case"]), (STOCK, ["temp", "resid", "w/o args"] + (["time"] if timed else []))]
-    variant_cols = ["temp", "x", "resid", "x", "w/o args", "x"]
+    groups = [
+        ("", ["case"]),
+        (STOCK, ["temp", "resid", "w/o args", "kept"] + (["time"] if timed else [])),
+    ]
+    variant_cols = ["temp", "x", "resid", "x", "w/o args", "x", "kept", "x"]
     if timed:
         variant_cols += ["time min", "med"]
     groups += [(label, variant_cols) for label in labels[1:]]
@@ -370,6 +383,7 @@ def format_table(results: Sequence[CaseResult], *, timed: bool) -> str:
             format_mib(s.temp_bytes),
             format_mib(s.residual_bytes),
             format_mib(s.residual_bytes_non_argument),
+            format_mib(s.kept_bytes),
         ]
         if timed:
             row.append("-" if s.time_min_s is None else f"{s.time_min_s * 1e3:.2f} ms")
@@ -382,6 +396,8 @@ def format_table(results: Sequence[CaseResult], *, timed: bool) -> str:
                 _x(r.ratio(label, "residual_bytes")),
                 format_mib(c.residual_bytes_non_argument),
                 _x(r.ratio(label, "residual_bytes_non_argument")),
+                format_mib(c.kept_bytes),
+                _x(r.ratio(label, "kept_bytes")),
             ]
             if timed:
                 row += [_x(r.ratio(label, "time_min_s")), _x(r.ratio(label, "time_median_s"))]
