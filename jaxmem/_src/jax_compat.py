@@ -27,9 +27,6 @@ from jax.extend.core import primitives as _prims
 # --- public (jax.extend / jax.core) names, re-exported so that callers have one import ----------
 
 Var = _xcore.Var  # jax.extend.core; constructor: 0.10 Var(aval, qdd...), 0.12 Var(aval).
-Literal = _xcore.Literal  # jax.extend.core
-JaxprEqn = _xcore.JaxprEqn  # jax.extend.core
-Primitive = _xcore.Primitive  # jax.extend.core
 jaxpr_as_fun = _xcore.jaxpr_as_fun  # jax.extend.core: runs a closed jaxpr with JAX's evaluator.
 concrete_or_error = _xcore.concrete_or_error  # jax.extend.core
 Tracer = jax.core.Tracer  # jax.core (public, stable)
