@@ -137,6 +137,11 @@ def eqn_checkpoint_name(eqn) -> str | None:
 # --- types -----------------------------------------------------------------------------------
 
 
+def struct(aval) -> jax.ShapeDtypeStruct:
+    """A ``jax.ShapeDtypeStruct`` of an abstract value (shape, dtype, weak type) to trace with."""
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
+
+
 def typematch(a, b) -> bool:
     """Same shape and dtype, weak type ignored (as ``jax._src.core.typematch`` for arrays)."""
     return tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype

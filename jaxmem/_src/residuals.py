@@ -146,10 +146,6 @@ class TracedStep:
     res_treedef: Any
 
 
-def _struct(aval) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
-
-
 def trace_step_vjp(body, n_consts: int, n_carry: int, in_avals: Sequence) -> TracedStep:
     """Traces ``jax.vjp`` of one step; its residuals become outputs of the returned jaxpr.
 
@@ -174,7 +170,7 @@ def trace_step_vjp(body, n_consts: int, n_carry: int, in_avals: Sequence) -> Tra
         treedef_box.append(treedef)
         return c_out, y, res
 
-    closed = jax.make_jaxpr(fwd_step)(*map(_struct, in_avals))
+    closed = jax.make_jaxpr(fwd_step)(*map(jc.struct, in_avals))
     jaxpr = jc.open_jaxpr(closed)
     n_y = len(jc.open_jaxpr(body).outvars) - n_carry
     ins, outs = list(jaxpr.invars), list(jaxpr.outvars)
@@ -305,6 +301,8 @@ class StepPlan:
       carry_from_y: per carry leaf, the index of a y output that *is* its carry-out, or -1.
       carry_in_read: per carry leaf, whether the backward step reads its carry-in.
       need_y: per y leaf, whether the backward step reads it.
+      carry_seq_y: per carry leaf whose sequence is kept, the y output that *is* its carry-in
+        (that ys stack serves as the sequence), or -1.
       hoist: closed jaxpr ``(*consts) -> (*hoisted)``.
       forward: closed jaxpr ``(*consts, *hoisted, *carry, *x) -> (*carry', *y, *stacked)``.
       rebuild: closed jaxpr ``(*consts, *hoisted, *x, *ys_read, *kept_carry_out,
@@ -320,12 +318,10 @@ class StepPlan:
     carry_from_y: tuple[int, ...]
     carry_in_read: tuple[bool, ...]
     need_y: tuple[bool, ...]
+    carry_seq_y: tuple[int, ...]
     hoist: Any
     forward: Any
     rebuild: Any
-    # Per carry leaf: the index of a y output that *is* its carry-in (the body returns its carry
-    # as a y) when its sequence is kept: the kept sequence is that ys stack, not a copy; or -1.
-    carry_seq_y: tuple[int, ...] = ()
 
     # Variable groups of J, by name.
     @property

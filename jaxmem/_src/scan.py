@@ -117,10 +117,6 @@ def _aval(x) -> _jc.ShapedArray:
     return _jc.ShapedArray(a.shape, a.dtype, weak_type=a.weak_type)
 
 
-def _struct(aval) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
-
-
 # ------------------------------------------------------------------------------------------
 # Tracing the body.
 
@@ -166,7 +162,7 @@ def _trace_body(
         return new_leaves + y_leaves
 
     closed = jax.make_jaxpr(flat_body)(
-        [_struct(a) for a in carry_avals], [_struct(a) for a in x_avals]
+        [_jc.struct(a) for a in carry_avals], [_jc.struct(a) for a in x_avals]
     )
     jaxpr = _jc.open_jaxpr(closed)
     consts = _jc.jaxpr_consts(closed)
@@ -241,17 +237,13 @@ def _zeros_ct(aval, length=None):
     return np.zeros(shape, jax.dtypes.float0)
 
 
-def _with_zeros(avals, indices, values, length=None):
-    """Cotangents for every primal of ``avals``: ``values`` at ``indices``, zeros elsewhere."""
-    out = [_zeros_ct(a, length) for a in avals]
-    for i, value in zip(indices, values, strict=True):
-        out[i] = value
-    return out
+def _with_zeros(avals, indices, values, length=None, zero=None):
+    """Cotangents for every primal of ``avals``: ``values`` at ``indices``, zeros elsewhere.
 
-
-def _with_symbolic_zeros(avals, indices, values):
-    """Cotangents for the step's VJP: ``values`` at ``indices``, symbolic zeros elsewhere."""
-    out = [_jc.zero_cotangent(a) for a in avals]
+    The zeros are ``zero(aval)`` when given (e.g. symbolic zeros for the step's VJP), else
+    arrays (stacked ``length`` times when given).
+    """
+    out = [_zeros_ct(a, length) if zero is None else zero(a) for a in avals]
     for i, value in zip(indices, values, strict=True):
         out[i] = value
     return out
@@ -386,8 +378,10 @@ class _LeanScan:
             jaxpr, len(self.body.consts), self.body.n_carry, in_avals, self.recompute
         )
         stacked, carry = _offload_masks(step, self.offload, self.fname)
-        for collector in _PLAN_COLLECTORS:
-            collector.append(self.summary(step))
+        if _PLAN_COLLECTORS:  # The summary traces stock lax.scan: only when someone asks.
+            summary = self.summary(step)
+            for collector in _PLAN_COLLECTORS:
+                collector.append(summary)
         return _Plan(step, tuple(stacked), tuple(carry))
 
     def summary(self, step) -> ScanPlan:
@@ -515,8 +509,8 @@ class _LeanScan:
             vjp_fn = tree_unflatten(step_plan.res_treedef, res)
             d_consts, d_carry, d_x = vjp_fn(
                 (
-                    _with_symbolic_zeros(carry_avals, float_carry, ct_carry),
-                    _with_symbolic_zeros(y_avals, float_y, ct_y),
+                    _with_zeros(carry_avals, float_carry, ct_carry, zero=_jc.zero_cotangent),
+                    _with_zeros(y_avals, float_y, ct_y, zero=_jc.zero_cotangent),
                 )
             )
             new_ct_consts = [
@@ -579,7 +573,7 @@ def collect_plans():
 def _stock_stacked_bytes(body: _Body, plan, length: int) -> int:
     """Bytes :func:`jax.lax.scan` stacks for the same step: its loop-stacked residuals."""
     structs = [
-        [_struct(v.aval) for v in vs]
+        [_jc.struct(v.aval) for v in vs]
         for vs in (plan.const_invars, plan.carry_invars, plan.x_invars)
     ]
     structs[2] = [jax.ShapeDtypeStruct((length, *a.shape), a.dtype) for a in structs[2]]
