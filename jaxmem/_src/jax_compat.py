@@ -138,8 +138,69 @@ def eqn_checkpoint_name(eqn) -> str | None:
 
 
 def struct(aval) -> jax.ShapeDtypeStruct:
-    """A ``jax.ShapeDtypeStruct`` of an abstract value (shape, dtype, weak type) to trace with."""
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
+    """A ``jax.ShapeDtypeStruct`` of an abstract value to trace with.
+
+    Keeps the shape, dtype, weak type, sharding (an Explicit mesh's sharding in types) and manual
+    axis type (the varying manual axes inside ``shard_map``, "vma"), so that what is traced from
+    it types like the value it stands for. The memory space is not kept (a body traced from
+    host-resident inputs computes on device; offload is explicit). ``manual_axis_type`` is the
+    name of both versions (0.10 and 0.12) for what ``jax.typeof(x).mat`` holds.
+    """
+    kwargs = {}
+    sharding = getattr(aval, "sharding", None)
+    if sharding is not None:
+        kwargs["sharding"] = sharding
+    mat = getattr(aval, "mat", None)
+    if mat is not None:
+        kwargs["manual_axis_type"] = mat
+    return jax.ShapeDtypeStruct(
+        aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False), **kwargs
+    )
+
+
+def unstacked(aval, length: int):
+    """The type of one slice ``x[t]`` of a value of type ``aval`` (length ``length`` first axis),
+    as ``lax.scan`` types its body's ``x``: sharding and manual axes kept, the leading axis's
+    partition dropped.
+
+    Private: ``jax._src.core.mapped_leading_aval`` (0.10 and 0.12).
+    """
+    from jax._src import core
+
+    return core.mapped_leading_aval(length, aval)
+
+
+def stacked(aval, length: int):
+    """The type of ``length`` values of type ``aval`` stacked on a new leading axis (as
+    ``lax.scan`` types its ys): the leading axis unpartitioned.
+
+    Private: ``jax._src.core.unmapped_aval`` (0.10 and 0.12).
+    """
+    from jax._src import core
+
+    return core.unmapped_aval(length, 0, aval)
+
+
+def zeros(aval):
+    """An array of zeros of type ``aval``: its sharding (Explicit meshes) and its varying manual
+    axes (inside ``shard_map``) included, as a cotangent of a value of that type must be.
+
+    Private: ``jax._src.ad_util.zeros_like_aval`` (0.10 and 0.12), what JAX's own AD
+    instantiates symbolic zeros with.
+    """
+    from jax._src import ad_util
+
+    return ad_util.zeros_like_aval(aval)
+
+
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes ``x`` varies over inside ``jax.shard_map`` (its "vma"); empty outside.
+
+    ``jax.typeof(x).manual_axis_type.varying`` (0.10 and 0.12): an attribute of the public
+    ``jax.typeof`` that JAX does not document. A custom VJP inside ``shard_map(check_vma=True)``
+    needs it to return each cotangent varying over exactly the axes its input varies over.
+    """
+    return frozenset(jax.typeof(x).manual_axis_type.varying)
 
 
 def typematch(a, b) -> bool:

@@ -113,8 +113,8 @@ def _check_recompute(recompute, fname: str) -> str:
 
 
 def _aval(x) -> _jc.ShapedArray:
-    a = jax.typeof(x)
-    return _jc.ShapedArray(a.shape, a.dtype, weak_type=a.weak_type)
+    """The type of ``x``: shape, dtype, weak type, sharding and varying manual axes."""
+    return jax.typeof(x)
 
 
 # ------------------------------------------------------------------------------------------
@@ -195,7 +195,7 @@ def _prepare(f, init, xs, length, unroll, recompute, fname, diff_consts=False):
     init_leaves = [x if isinstance(x, _jc.Tracer) else jnp.asarray(x) for x in init_leaves]
     xs_leaves = [x if isinstance(x, _jc.Tracer) else jnp.asarray(x) for x in xs_leaves]
     carry_avals = [_aval(x) for x in init_leaves]
-    x_avals = [_jc.ShapedArray(np.shape(x)[1:], jax.dtypes.result_type(x)) for x in xs_leaves]
+    x_avals = [_jc.unstacked(_aval(x), length) for x in xs_leaves]
     body, out_avals = _trace_body(
         f, fname, init_tree, init_paths, carry_avals, xs_tree, x_avals, diff_consts
     )
@@ -230,11 +230,13 @@ def _is_float(aval) -> bool:
 
 
 def _zeros_ct(aval, length=None):
-    """A zero cotangent for a primal of type ``aval`` (float0 for integer and boolean values)."""
-    shape = aval.shape if length is None else (length, *aval.shape)
+    """A zero cotangent for a primal of type ``aval`` (stacked ``length`` times when given):
+    its sharding and varying manual axes kept; float0 for integer and boolean values."""
+    if length is not None:
+        aval = _jc.stacked(aval, length)
     if _is_float(aval):
-        return jnp.zeros(shape, aval.dtype)
-    return np.zeros(shape, jax.dtypes.float0)
+        return _jc.zeros(aval)
+    return np.zeros(aval.shape, jax.dtypes.float0)
 
 
 def _with_zeros(avals, indices, values, length=None, zero=None):
@@ -526,7 +528,7 @@ class _LeanScan:
                 _zeros_ct(carry_avals[i]) if is_zero(ct_final[i]) else ct_final[i]
                 for i in float_carry
             ],
-            [jnp.zeros(const_avals[i].shape, const_avals[i].dtype) for i in float_consts],
+            [_zeros_ct(const_avals[i]) for i in float_consts],
             list(saved.final_kept),
         )
         inputs = (
@@ -576,7 +578,7 @@ def _stock_stacked_bytes(body: _Body, plan, length: int) -> int:
         [_jc.struct(v.aval) for v in vs]
         for vs in (plan.const_invars, plan.carry_invars, plan.x_invars)
     ]
-    structs[2] = [jax.ShapeDtypeStruct((length, *a.shape), a.dtype) for a in structs[2]]
+    structs[2] = [_jc.struct(_jc.stacked(v.aval, length)) for v in plan.x_invars]
 
     def stock_loss(consts, init, xs):
         final, ys = jax.lax.scan(lambda c, x: body(consts, c, x), init, xs, length=length)
