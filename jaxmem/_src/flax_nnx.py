@@ -21,11 +21,12 @@ Examples:
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 from flax import nnx
+from flax.core import FrozenDict
 
 from jaxmem._src import scan as _scan
 from jaxmem._src.flax_linen import _check_length, _check_scan_options, _resolve_policy
@@ -69,6 +70,10 @@ class ScanLayers(nnx.Module):
       recompute: as in :func:`jaxmem.scan` (``"cheap"`` or ``"none"``).
       reverse: run the layers from last to first.
       unroll: loop unrolling, passed to :func:`jaxmem.scan`.
+      transform_metadata: as ``nnx.vmap``'s and ``nnx.scan``'s: with
+        ``{nnx.PARTITION_NAME: axis}`` the layer axis is added to (at creation) and removed from
+        (in each step) the variables' sharding metadata, so annotated layers are sharded as
+        under ``nnx.scan`` (``None``: the layer axis is not sharded).
 
     Raises:
       TypeError: ``make_block`` not callable or not returning an ``nnx.Module``; a bad policy.
@@ -114,6 +119,7 @@ class ScanLayers(nnx.Module):
         recompute: str = "cheap",
         reverse: bool = False,
         unroll: int = 1,
+        transform_metadata: Mapping[str, Any] = FrozenDict({}),
     ):
         fname = "jaxmem.flax.nnx.ScanLayers"
         _check_make_block(make_block, fname)
@@ -123,6 +129,7 @@ class ScanLayers(nnx.Module):
         self.recompute = recompute
         self.reverse = bool(reverse)
         self.unroll = unroll
+        self.transform_metadata = _check_transform_metadata(transform_metadata, fname)
 
         def make(r):
             block = make_block(r)
@@ -135,7 +142,7 @@ class ScanLayers(nnx.Module):
             return block
 
         @nnx.split_rngs(splits=self.length)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata=self.transform_metadata)
         def create(r: nnx.Rngs):
             return make(r)
 
@@ -146,11 +153,18 @@ class ScanLayers(nnx.Module):
         fname = "jaxmem.flax.nnx.ScanLayers"
         _check_stack(self.layers, self.length, fname)
         graphdef, state = nnx.split(self.layers)
+        meta = self.transform_metadata
+        partitioned = nnx.PARTITION_NAME in meta
 
         def step(carry, layer_state):
+            if partitioned:  # One layer's variables: the layer axis leaves their metadata.
+                layer_state = nnx.spmd.remove_axis(layer_state, 0, meta)
             layer = nnx.merge(graphdef, layer_state)
             carry = layer(carry, *args, **kwargs)
-            return carry, nnx.state(layer)
+            new_state = nnx.state(layer)
+            if partitioned:
+                new_state = nnx.spmd.add_axis(new_state, 0, meta)
+            return carry, new_state
 
         out, new_state = _scan.scan(
             step,
@@ -164,6 +178,15 @@ class ScanLayers(nnx.Module):
         )
         nnx.update(self.layers, new_state)
         return out
+
+
+def _check_transform_metadata(meta: Any, fname: str) -> FrozenDict:
+    if not isinstance(meta, Mapping):
+        raise TypeError(
+            f"{fname}: transform_metadata must be a mapping (as nnx.scan's, e.g. "
+            f"{{nnx.PARTITION_NAME: 'layers'}}), got {type(meta).__name__} ({meta!r})."
+        )
+    return FrozenDict(meta)
 
 
 def _check_make_block(make_block: Any, fname: str):
@@ -189,6 +212,7 @@ def scan_layers(
     recompute: str = "cheap",
     reverse: bool = False,
     unroll: int = 1,
+    transform_metadata: Mapping[str, Any] = FrozenDict({}),
 ) -> ScanLayers:
     """Builds a :class:`ScanLayers` stack: ``length`` NNX blocks applied by :func:`jaxmem.scan`.
 
@@ -203,6 +227,8 @@ def scan_layers(
       recompute: as in :func:`jaxmem.scan`.
       reverse: run the layers from last to first.
       unroll: loop unrolling.
+      transform_metadata: as :class:`ScanLayers` (``{nnx.PARTITION_NAME: axis}`` for sharded
+        layers).
 
     Returns:
       The :class:`ScanLayers` module.
@@ -232,6 +258,7 @@ def scan_layers(
         recompute=recompute,
         reverse=reverse,
         unroll=unroll,
+        transform_metadata=transform_metadata,
     )
 
 
