@@ -37,17 +37,18 @@ def _normal(seed, shape, scale=1.0):
 # --- the models: each maps a scan implementation to a loss, with its inputs and their specs ---
 
 
+def fsdp_step(h, wb):
+    w, b = (jax.sharding.reshard(v, P()) for v in wb)
+    return jax.nn.gelu(h @ w + b[None]), None
+
+
 def fsdp(scan):
     """An MLP stack, each layer's weight sharded over 'data' (FSDP), the batch over 'data'. The
     step gathers its layer's weight (``reshard`` to replicated: FSDP's all-gather, written as
     an Explicit mesh requires and a no-op hint under Auto)."""
 
     def loss(ws, bs, x):
-        def step(h, wb):
-            w, b = (jax.sharding.reshard(v, P()) for v in wb)
-            return jax.nn.gelu(h @ w + b[None]), None
-
-        h, _ = scan(step, x, (ws, bs))
+        h, _ = scan(fsdp_step, x, (ws, bs))
         return jnp.mean(h**2)
 
     args = (_normal(0, (L, D, D), D**-0.5), _normal(1, (L, D), 0.1), _normal(2, (B, D)))
@@ -212,3 +213,92 @@ def test_scan_inside_shard_map_equals_stock(variant):
     assert_close(lean, ref)
     assert lean_specs == ref_specs
     assert lean_temp <= ref_temp, (lean_temp, ref_temp)
+
+
+# --- host offload on a mesh -----------------------------------------------------------------
+
+
+def _eqns(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs inside it (loop bodies, calls)."""
+    from jaxmem._src import jax_compat
+
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jax_compat.subjaxprs(eqn):
+            yield from _eqns(sub)
+
+
+def _fsdp_offloaded(mesh):
+    """The FSDP loss with ``offload="all"``, its inputs' structs, and how many values the plan
+    moves to the host (its partial activations and kept carry sequences, from scan_residuals
+    under the same mesh)."""
+    loss, args, arg_specs = fsdp(functools.partial(jaxmem.scan, offload="all"))
+    ws, bs, x = structs = tuple(
+        jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s))
+        for a, s in zip(args, arg_specs, strict=True)
+    )
+    kinds = [r.kind for r in jaxmem.scan_residuals(fsdp_step, x, (ws, bs)).stacked]
+    return loss, structs, kinds.count("stacked") + kinds.count("carry")
+
+
+def test_offload_keeps_sharding_in_pinned_host_explicit():
+    """Under an Explicit mesh the placements are in the types: every value moved to the host
+    keeps the sharding of the value it moves (the batch-sharded carry stays split over 'data')."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    with jax.set_mesh(mesh):
+        loss, structs, n_moved = _fsdp_offloaded(mesh)
+        closed = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(*structs)
+    moves = [
+        (eqn.invars[0].aval, eqn.outvars[0].aval)
+        for eqn in _eqns(closed.jaxpr)
+        if eqn.primitive.name == "device_put"
+    ]
+    to_host = [(a, b) for a, b in moves if b.memory_space == jax.memory.Space.Host]
+    to_device = [(a, b) for a, b in moves if a.memory_space == jax.memory.Space.Host]
+    assert len(to_host) == len(to_device) == n_moved >= 2
+    for src, dst in to_host + to_device:
+        assert (dst.shape, dst.sharding.spec) == (src.shape, src.sharding.spec)
+    assert ("data", None) in [tuple(b.sharding.spec) for _, b in to_host]
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+def test_offload_sharded_step_exports_host_placements_for_cuda(axis_type):
+    """The sharded training step lowered for cuda (no GPU needed) carries the host placements:
+    one to pinned_host per offloaded value in the forward loop, one back in the backward loop."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
+    with jax.set_mesh(mesh):
+        loss, structs, n_moved = _fsdp_offloaded(mesh)
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        text = jax.export.export(grad, platforms=["cuda"])(*structs).mlir_module()
+    assert n_moved >= 2
+    assert text.count('_xla_buffer_placement = "pinned_host"') == n_moved
+    assert text.count('_xla_buffer_placement = "device"') >= n_moved
+    # Sharded: the module is partitioned over the 8 devices with the inputs' shardings.
+    assert "mhlo.num_partitions = 8" in text
+
+
+def test_offload_helpers_keep_sharding_explicit():
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    with jax.set_mesh(mesh):
+        tree = {
+            "w": jax.device_put(jnp.arange(64.0).reshape(8, 8), P("data", "model")),
+            "b": jax.device_put(jnp.arange(8.0), P("model")),
+        }
+        seen = {}
+
+        @jax.jit
+        def roundtrip(tree):
+            host = jaxmem.offload.to_host(tree)
+            seen["host"] = jax.tree.map(jax.typeof, host)
+            return jaxmem.offload.to_device(host)
+
+        back = roundtrip(tree)
+        eager = jaxmem.offload.to_host(tree)
+    for k, x in tree.items():
+        spec = jax.typeof(x).sharding.spec
+        assert seen["host"][k].memory_space == jax.memory.Space.Host
+        assert seen["host"][k].sharding.spec == spec
+        assert jax.typeof(back[k]).sharding.spec == spec
+        assert eager[k].sharding.memory_kind == "pinned_host"
+        assert eager[k].sharding.spec == x.sharding.spec
+        np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(x))
