@@ -302,3 +302,33 @@ def test_offload_helpers_keep_sharding_explicit():
         assert eager[k].sharding.memory_kind == "pinned_host"
         assert eager[k].sharding.spec == x.sharding.spec
         np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(x))
+
+
+# --- per-device figures ---------------------------------------------------------------------
+
+
+def test_profile_says_figures_are_per_device():
+    mesh = jax.make_mesh((8,), ("data",))
+    w = jnp.ones((32, 32))
+    x = jnp.ones((64, 32))
+    loss = lambda w, x: jnp.sum(jnp.tanh(x @ w))
+    single = jaxmem.profile(loss, w, x)
+    sharded = jaxmem.profile(loss, w, jax.device_put(x, NamedSharding(mesh, P("data"))))
+    assert (single.num_devices, sharded.num_devices) == (1, 8)
+    assert single.per_device_note == ""
+    assert "per device, sharded over 8 devices" in str(sharded).splitlines()[0]
+    assert "per device, sharded over 8 devices" in sharded.to_markdown().splitlines()[0]
+    # One device holds an eighth of x: the argument bytes are w plus x / 8.
+    assert sharded.argument_bytes == w.nbytes + x.nbytes // 8
+    assert single.argument_bytes == w.nbytes + x.nbytes
+    # The listing is global: the same residuals, the same bytes, on one device or eight.
+    assert sharded.residual_bytes == single.residual_bytes
+    cmp = jaxmem.compare({"plain": loss, "remat": jax.checkpoint(loss)}, w, x)
+    assert "per device" not in str(cmp)
+    cmp = jaxmem.compare(
+        {"plain": loss, "remat": jax.checkpoint(loss)},
+        w,
+        jax.device_put(x, NamedSharding(mesh, P("data"))),
+    )
+    assert "per device, 8 devices" in str(cmp).splitlines()[0]
+    assert sharded.to_dict()["num_devices"] == 8

@@ -197,6 +197,12 @@ class MemoryReport:
     output bytes that reuse donated argument buffers, ``generated_code`` the executable; the
     ``host_*`` twins count buffers placed in host memory.
 
+    For a sharded program (``num_devices > 1``: inputs or outputs sharded over a mesh) the
+    compiled figures are **per device**: what one device of the mesh holds, as XLA compiles one
+    SPMD program for every device. The residual listing is of the program as written, with
+    global (logical) shapes: a residual sharded over ``n`` devices takes ``1/n`` of its listed
+    bytes on each.
+
     Attributes:
         name: the function's name (the label, when made by :func:`compare`).
         temp_bytes: device scratch bytes.
@@ -215,6 +221,8 @@ class MemoryReport:
             None when the function does not return a scalar.
         scan_plans: for each :func:`jaxmem.scan` the gradient goes through, its
             :class:`jaxmem.ScanPlan` (what it keeps, next to what ``lax.scan`` would stack).
+        num_devices: the devices the compiled program runs on (1 unless it is sharded); the
+            memory figures are per device.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -240,6 +248,21 @@ class MemoryReport:
     peak_bytes: int | None
     residuals: tuple[Residual, ...] | None
     scan_plans: tuple[ScanPlan, ...] = ()
+    num_devices: int = 1
+
+    @property
+    def per_device_note(self) -> str:
+        """``""`` for a one-device program, else a note that the figures are per device.
+
+        Examples:
+            >>> import jax.numpy as jnp
+            >>> import jaxmem
+            >>> jaxmem.profile(jnp.sin, jnp.ones(4)).per_device_note
+            ''
+        """
+        if self.num_devices <= 1:
+            return ""
+        return f"per device, sharded over {self.num_devices} devices; residuals: global shapes"
 
     @property
     def residual_bytes(self) -> int | None:
@@ -334,8 +357,9 @@ class MemoryReport:
 
     def __str__(self) -> str:
         """Readable text tables: memory fields, then residuals and their totals."""
+        note = f" ({self.per_device_note})" if self.per_device_note else ""
         parts = [
-            f"MemoryReport: {self.name}",
+            f"MemoryReport: {self.name}{note}",
             _text_table(["field", "bytes", "size"], self._memory_rows(), {1, 2}),
         ]
         if self.residuals is None:
@@ -361,8 +385,9 @@ class MemoryReport:
             >>> md.splitlines()[0]
             '### MemoryReport: <lambda>'
         """
+        note = f" ({self.per_device_note})" if self.per_device_note else ""
         parts = [
-            f"### MemoryReport: {self.name}",
+            f"### MemoryReport: {self.name}{note}",
             "",
             _md_table(["field", "bytes", "size"], self._memory_rows(), {1, 2}),
             "",
@@ -566,11 +591,14 @@ class Comparison:
     def _header(self) -> list[str]:
         return ["label"] + [label for _, label in _COMPARE_COLUMNS]
 
+    def _title(self) -> str:
+        devices = max(rep.num_devices for rep in self.reports.values())
+        note = f"; per device, {devices} devices" if devices > 1 else ""
+        return f"Comparison (ratios against {self.baseline!r}{note})"
+
     def __str__(self) -> str:
         """One row per label; each figure with its ratio to the baseline."""
-        return f"Comparison (ratios against {self.baseline!r}):\n" + _text_table(
-            self._header(), self._rows(), set(range(1, 6))
-        )
+        return f"{self._title()}:\n" + _text_table(self._header(), self._rows(), set(range(1, 6)))
 
     def to_markdown(self) -> str:
         """The ``str(comparison)`` table, in Markdown.
@@ -582,7 +610,7 @@ class Comparison:
             | label | temp | argument | output | peak | residual |
         """
         return (
-            f"### Comparison (ratios against {self.baseline!r})\n\n"
+            f"### {self._title()}\n\n"
             + _md_table(self._header(), self._rows(), set(range(1, 6)))
             + "\n"
         )
@@ -822,4 +850,14 @@ def _profile(
         peak_bytes=None if peak is None else int(peak),
         residuals=residuals,
         scan_plans=tuple(plans) if residuals is not None else (),
+        num_devices=_num_devices(compiled),
     )
+
+
+def _num_devices(compiled: Any) -> int:
+    """The devices a compiled program runs on: those of its input and output shardings."""
+    shardings = jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
+    devices = set()
+    for s in shardings:
+        devices |= set(getattr(s, "device_set", ()))
+    return max(len(devices), 1)
