@@ -6,7 +6,8 @@ logical name "layers"); initialized under jit with the shardings the annotations
 same block with ``nnx.with_partitioning`` under ``jax.set_mesh`` (NNX shards at creation),
 stacked with ``transform_metadata={nnx.PARTITION_NAME: None}``, Auto and Explicit meshes. Each
 compares: the parameter shardings, the loss and gradients (f32 rtol 2e-5), the gradients'
-shardings, and the per-device temp of the compiled gradient (jaxmem's <= stock's).
+shardings, and the per-device temp of the compiled gradient (jaxmem's <= stock's). Both stacks
+also run inside ``shard_map`` (check_vma on; parameters replicated, the batch split).
 """
 
 from __future__ import annotations
@@ -224,3 +225,51 @@ def test_nnx_stack_on_a_mesh_equals_nnx_scan(axis_type, policy):
 def test_nnx_transform_metadata_must_be_a_mapping():
     with pytest.raises(TypeError, match="transform_metadata must be a mapping"):
         jn.ScanLayers(NNXBlock, L, rngs=nnx.Rngs(0), transform_metadata="layers")
+
+
+# --- inside shard_map -----------------------------------------------------------------------
+
+
+def _shard_map_grads(loss, params, x):
+    """Gradient of ``loss(params, x_local)`` summed over 'data' in shard_map (check_vma on),
+    params replicated, the batch split over 8 devices."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    local = lambda p, x: jax.lax.psum(loss(p, x), "data")
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+    x = jax.device_put(x, NamedSharding(mesh, P("data")))
+    params = jax.device_put(params, NamedSharding(mesh, P()))
+    return jax.jit(jax.value_and_grad(sharded))(params, x)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_linen_stack_inside_shard_map_equals_nn_scan(policy):
+    x = jax.random.normal(jax.random.key(1), (B, D))
+    out = {}
+    with nn.logical_axis_rules(()):  # no mesh axes inside shard_map: annotations are no-ops
+        for kind in ("stock", "jaxmem"):
+            model = linen_model(kind, policy)
+            params = nn.unbox(model.init(jax.random.key(0), x))
+            if kind == "jaxmem":  # stock's values in jaxmem's tree (the names differ with remat)
+                params = jax.tree.unflatten(jax.tree.structure(params), out["stock"][0])
+            loss = lambda p, x, m=model: jnp.sum(m.apply(p, x) ** 2) / (B * D)
+            value, grads = _shard_map_grads(loss, params, x)
+            out[kind] = (jax.tree.leaves(params), value, jax.tree.leaves(grads))
+    assert_close(out["jaxmem"][1:], out["stock"][1:])
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_nnx_stack_inside_shard_map_equals_nnx_scan(policy):
+    x = jax.random.normal(jax.random.key(1), (B, D))
+    out = {}
+    auto = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    for kind, build in (("stock", nnx_stock_layers), ("jaxmem", nnx_jaxmem_layers)):
+        with jax.set_mesh(auto):  # annotated variables are created under a mesh
+            module, loss = build(policy)
+        graphdef, state = nnx.split(module)
+
+        def pure(state, x, graphdef=graphdef, loss=loss):
+            return loss(nnx.merge(graphdef, state), x) * (x.shape[0] / B)
+
+        value, grads = _shard_map_grads(pure, state, x)
+        out[kind] = (value, jax.tree.leaves(grads))
+    assert_close(out["jaxmem"], out["stock"])
