@@ -1,6 +1,6 @@
 """Benchmarks of jaxmem's losses and selective differentiation against stock JAX / optax.
 
-Usage: ``python -m benchmarks.losses [--json PATH] [--time] [--small]``.
+Usage: ``python -m benchmarks.losses [--json PATH] [--time] [--small] [--sharded]``.
 
 (a) ``linear_cross_entropy`` vs the naive
 ``optax.softmax_cross_entropy_with_integer_labels(x @ w, labels).mean()`` (N=8192, D=1024,
@@ -16,30 +16,54 @@ compiled memory of the "full gradients leave the jit, then a masked optax update
 (``optax.multi_transform`` with ``optax.set_to_zero``) in a second jit" pattern vs one jit with
 the gradient of the trainable part only (:func:`jaxmem._src.trainable.trainable`).
 
+(c) ``--sharded`` (instead of (a) and (b)): vocabulary-parallel ``linear_cross_entropy`` on 8
+devices, a ``('data', 'model')`` mesh of 2 x 4, x and labels sharded over tokens on ``'data'``, w
+over V on ``'model'`` (same N, D, V): per-device compiled temp of the gradient, naive
+(``optax.softmax_cross_entropy`` against one-hot labels, which also compiles under an Explicit
+mesh) vs jaxmem with ``vocab_axis='model'`` at chunk sizes 1024 (the acceptance figure: <= 1/4
+of naive) and 2048, under an Auto and an Explicit mesh; under Auto also jaxmem without
+``vocab_axis`` at its default chunk size (XLA then all-gathers w). With each, the number of
+all-gathers of the whole w in the compiled HLO and the output sharding of dw. Compiled on
+``jax.ShapeDtypeStruct`` arguments (nothing is allocated), so the full shapes run on CPU. Run as
+``python -m benchmarks.losses --sharded`` the module asks XLA for 8 host devices (unless
+``XLA_FLAGS`` already says how many).
+
 ``--small`` shrinks every shape (a smoke test). Prints one table (bytes in MiB, 2^20, as every
 benchmark); ``--json`` writes every figure.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import pathlib
-import platform
+import os
 import sys
-from collections.abc import Sequence
-from typing import Any
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
+if __name__ == "__main__" and "--sharded" in sys.argv[1:]:
+    # Before jax is imported: 8 host devices, unless the caller chose a count.
+    _flags = os.environ.get("XLA_FLAGS", "")
+    if "--xla_force_host_platform_device_count" not in _flags:
+        os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
 
-from benchmarks.harness import MIN_REPEATS, format_mib, time_interleaved
-from jaxmem._src.listing import saved_residuals
-from jaxmem._src.losses import linear_cross_entropy
-from jaxmem._src.trainable import merge, trainable
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import pathlib  # noqa: E402
+import platform  # noqa: E402
+import re  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+from typing import Any  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from benchmarks.harness import MIN_REPEATS, format_mib, time_interleaved  # noqa: E402
+from jaxmem._src.listing import saved_residuals  # noqa: E402
+from jaxmem._src.losses import DEFAULT_CHUNK_SIZE, linear_cross_entropy  # noqa: E402
+from jaxmem._src.trainable import merge, trainable  # noqa: E402
 
 
 def _temp(f, *args) -> int:
@@ -78,6 +102,97 @@ def bench_ce(n: int, d: int, v: int, chunk: int) -> dict[str, Any]:
         print("jax-cce not installed: skipped")
         res["jax_cce_temp_bytes"] = None
     return res
+
+
+SHARDED_MESH = (2, 4)  # ('data', 'model'): 8 devices
+
+
+def _full_gathers(hlo: str, elements: int) -> int:
+    """The number of HLO all-gathers whose result has at least ``elements`` elements."""
+    op = re.compile(r"=\s*(?P<ty>.*?)\s+all-gather(?:-start)?\(")
+    count = 0
+    for line in hlo.splitlines():
+        m = op.search(line)
+        dims = re.findall(r"\[([\d,]*)\]", m.group("ty")) if m else []
+        count += any(math.prod(int(s) for s in d.split(",") if s) >= elements for d in dims)
+    return count
+
+
+def _onehot_ce(x, w, labels):
+    return optax.softmax_cross_entropy(x @ w, jax.nn.one_hot(labels, w.shape[1])).mean()
+
+
+def bench_ce_sharded(n: int, d: int, v: int, chunks: Sequence[int]) -> dict[str, Any]:
+    """Per-device temp of the gradient with x over 'data' and w's V over 'model' (8 devices).
+
+    For an Auto and an Explicit mesh: the naive loss, jaxmem with ``vocab_axis='model'`` at each
+    chunk size, and (Auto only) jaxmem without ``vocab_axis``; with the all-gathers of the whole
+    w in the compiled HLO and the sharding of dw.
+    """
+    if jax.device_count() < math.prod(SHARDED_MESH):
+        raise RuntimeError(
+            f"--sharded needs {math.prod(SHARDED_MESH)} devices, found {jax.device_count()}: run "
+            "python -m benchmarks.losses --sharded (it sets XLA_FLAGS="
+            "--xla_force_host_platform_device_count=8 itself)"
+        )
+    res: dict[str, Any] = {
+        "N": n,
+        "D": d,
+        "V": v,
+        "mesh": dict(zip(("data", "model"), SHARDED_MESH, strict=True)),
+    }
+    for kind in (AxisType.Auto, AxisType.Explicit):
+        mesh = jax.make_mesh(SHARDED_MESH, ("data", "model"), axis_types=(kind,) * 2)
+        s = jax.ShapeDtypeStruct
+        args = (
+            s((n, d), jnp.float32, sharding=NamedSharding(mesh, P("data", None))),
+            s((d, v), jnp.float32, sharding=NamedSharding(mesh, P(None, "model"))),
+            s((n,), jnp.int32, sharding=NamedSharding(mesh, P("data"))),
+        )
+        losses = {"naive": _onehot_ce}
+        for chunk in chunks:
+            losses[f"jaxmem_c{chunk}"] = lambda x, w, y, c=chunk: linear_cross_entropy(
+                x, w, y, chunk_size=c, vocab_axis="model"
+            )
+        if kind == AxisType.Auto:  # the call as it was before vocab_axis: default chunk size
+            losses[f"jaxmem_c{DEFAULT_CHUNK_SIZE}_no_vocab_axis"] = linear_cross_entropy
+        rows = {}
+        with jax.set_mesh(mesh):
+            for name, loss in losses.items():
+                compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile()
+                rows[name] = {
+                    "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+                    "full_w_all_gathers": _full_gathers(compiled.as_text(), d * v),
+                    "dw_spec": str(compiled.output_shardings[1].spec),
+                }
+        for row in rows.values():
+            row["over_naive"] = row["temp_bytes"] / rows["naive"]["temp_bytes"]
+        res[kind.name.lower()] = rows
+    return res
+
+
+def _sharded_table(sh: dict[str, Any]) -> str:
+    rows = [("mesh", "loss", "temp / device", "/ naive", "w all-gathers", "dw sharding")]
+    for kind in ("auto", "explicit"):
+        for i, (name, r) in enumerate(sh[kind].items()):
+            rows.append(
+                (
+                    kind if i == 0 else "",
+                    name,
+                    format_mib(r["temp_bytes"]),
+                    f"{r['over_naive']:.4f}",
+                    str(r["full_w_all_gathers"]),
+                    r["dw_spec"],
+                )
+            )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [" | ".join(c.ljust(wd) for c, wd in zip(r, widths, strict=True)) for r in rows]
+    lines.insert(1, "-+-".join("-" * wd for wd in widths))
+    title = (
+        f"vocabulary-parallel CE, N={sh['N']} D={sh['D']} V={sh['V']} f32, "
+        f"mesh data={sh['mesh']['data']} x model={sh['mesh']['model']}"
+    )
+    return "\n".join([title, *lines])
 
 
 def time_ce(n: int, d: int, v: int, chunk: int, repeats: int = MIN_REPEATS) -> dict[str, Any]:
@@ -266,7 +381,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", type=pathlib.Path, help="write every figure to this file")
     parser.add_argument("--time", action="store_true", help="also time naive vs jaxmem")
     parser.add_argument("--small", action="store_true", help="tiny shapes (smoke test)")
+    parser.add_argument(
+        "--sharded",
+        action="store_true",
+        help="vocabulary-parallel on 8 devices (x over 'data', w over 'model') instead",
+    )
     args = parser.parse_args(argv)
+    if args.sharded:
+        return _main_sharded(args)
 
     if args.small:
         ce = bench_ce(256, 32, 4096, 256)
@@ -290,6 +412,32 @@ def main(argv: Sequence[str] | None = None) -> int:
             "cross_entropy": ce,
             "cross_entropy_time": tm,
             "selective": sel,
+        }
+        args.json.write_text(json.dumps(out, indent=2))
+    return 0 if ok else 1
+
+
+def _main_sharded(args: argparse.Namespace) -> int:
+    if args.small:
+        sh = bench_ce_sharded(256, 32, 4096, (128, 256))
+    else:
+        sh = bench_ce_sharded(8192, 1024, 32768, (1024, 2048))
+    print(_sharded_table(sh))
+    chunk = next(k for k in sh["auto"] if k.startswith("jaxmem_c"))  # the first chunk size
+    ratios = {kind: sh[kind][chunk]["over_naive"] for kind in ("auto", "explicit")}
+    ok = all(r <= 1 / 4 for r in ratios.values()) and not any(
+        sh[kind][chunk]["full_w_all_gathers"] for kind in ratios
+    )
+    shown = ", ".join(f"{kind} {r:.4f}" for kind, r in ratios.items())
+    print(f"vocabulary-parallel temp ratio ({chunk}) {shown} <= 1/4, no w all-gather: {ok}")
+    if args.json:
+        out = {
+            "jax": jax.__version__,
+            "backend": jax.default_backend(),
+            "devices": [str(d) for d in jax.devices()],
+            "platform": platform.platform(),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(),
+            "cross_entropy_sharded": sh,
         }
         args.json.write_text(json.dumps(out, indent=2))
     return 0 if ok else 1

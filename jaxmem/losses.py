@@ -1,5 +1,9 @@
 """Memory-lean losses: :func:`linear_cross_entropy` never materializes the [N, V] logits.
 
+With the output projection sharded over the vocabulary on a mesh axis
+(``linear_cross_entropy(..., vocab_axis="model")``, inferred under an Explicit mesh), it is
+vocabulary-parallel: no device holds all of ``w`` or all logits of a token.
+
 Examples:
   >>> import jax.numpy as jnp
   >>> from jaxmem import losses

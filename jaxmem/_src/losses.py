@@ -8,15 +8,23 @@ walks over the vocabulary in chunks of ``chunk_size`` columns, keeping an online
 f32, and a :func:`jax.custom_vjp` backward pass recomputes each chunk's logits to form ``dx``,
 ``dw`` and ``dbias``: the residuals it saves are its inputs plus one f32 number per token.
 
+With ``w`` sharded over V on a mesh axis (``vocab_axis``), each shard runs the same chunked core
+on its own slice of the vocabulary, and the shards combine their per-token log-sum-exp pieces and
+label logits with a ``pmax`` and a ``psum`` (Megatron-LM's vocab-parallel cross-entropy), under a
+``jax.shard_map`` of the current mesh or inside the user's own.
+
 References:
   Wijmans, Huval, Hertzberg, Koltun, Krähenbühl, 2024. "Cut Your Losses in Large-Vocabulary
   Language Models" (Apple Cut Cross-Entropy), arXiv:2411.09009.
   Hsu et al., 2024. "Liger Kernel: Efficient Triton Kernels for LLM Training" (fused linear
   cross-entropy), arXiv:2410.10989.
+  Shoeybi et al., 2019. "Megatron-LM: Training Multi-Billion Parameter Language Models Using
+  Model Parallelism" (vocab-parallel cross-entropy), arXiv:1909.08053.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any, NamedTuple
@@ -25,6 +33,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from jaxmem._src import jax_compat as _jc
 
 _CALLER = "linear_cross_entropy"
 _REDUCTIONS = ("mean", "sum", "none")
@@ -39,6 +51,7 @@ class _Config(NamedTuple):
     label_smoothing: float
     z_loss: float
     logit_softcap: float | None
+    axis_name: str | None = None  # manual mesh axis over which w's columns are split, if any
 
 
 def _describe(a: Any) -> str:
@@ -121,6 +134,181 @@ def _check_inputs(x, w, labels, bias, where, chunk_size, reduction):
     return v
 
 
+@dataclasses.dataclass(frozen=True)
+class _VocabSplit:
+    """How ``w``'s columns are split: over mesh axis ``axis``, in ``size`` equal slices.
+
+    ``manual``: already inside a ``jax.shard_map`` over ``axis`` (``w`` is this shard's slice);
+    otherwise :func:`linear_cross_entropy` runs its own ``shard_map`` over the current mesh.
+    """
+
+    axis: str
+    size: int
+    manual: bool
+
+    def vocab_sizes(self, cols: int) -> tuple[int, int]:
+        """(columns per shard, global V), given the number of columns of ``w`` seen here."""
+        return (cols, cols * self.size) if self.manual else (cols // self.size, cols)
+
+
+def _explicit_axes(mesh) -> frozenset:
+    return frozenset(
+        name
+        for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if kind == AxisType.Explicit
+    )
+
+
+def _dim_axes(entry) -> tuple:
+    """Mesh axes of one PartitionSpec entry, as a tuple (``()`` when unsharded)."""
+    if entry is None or entry is P.UNCONSTRAINED:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _type_spec(a) -> tuple:
+    """``a``'s sharding in its type (Explicit axes only), one tuple of axes per dimension."""
+    spec = tuple(jax.typeof(a).sharding.spec)
+    return tuple(map(_dim_axes, spec + (None,) * (a.ndim - len(spec))))
+
+
+def _show_spec(dims: tuple) -> str:
+    entries = (None if not d else d[0] if len(d) == 1 else d for d in dims)
+    return repr(P(*entries))
+
+
+def _inferred_vocab_axis(mesh, w) -> str | None:
+    """The Explicit mesh axis ``w``'s V dimension is sharded over (in its type), if any."""
+    if mesh.empty or not _explicit_axes(mesh):
+        return None
+    v_axes = _type_spec(w)[1]
+    if len(v_axes) > 1:
+        raise ValueError(
+            f"{_CALLER}: w's V dimension is sharded over several mesh axes {v_axes} "
+            f"(jax.typeof(w).sharding.spec = {_show_spec(_type_spec(w))}); vocabulary-parallel "
+            "needs one: reshard w with jax.sharding.reshard(w, P(None, axis))"
+        )
+    return v_axes[0] if v_axes else None
+
+
+def _check_manual_split(axis: str, x, w, labels, where):
+    """Inside shard_map over ``axis``: w is the local slice; x and labels are whole tokens."""
+    if axis not in _jc.varying_axes(w):
+        raise ValueError(
+            f"{_CALLER}: inside shard_map over vocab_axis={axis!r}, w must be this shard's slice "
+            f"of the vocabulary, varying over {axis!r} (in_specs P(None, {axis!r})), and "
+            "shard_map must check varying axes (check_vma=True, the default); got w with "
+            f"{_describe(w)} invariant over {axis!r}"
+        )
+    for name, a in (("x", x), ("labels", labels), ("where", where)):
+        if a is not None and axis in _jc.varying_axes(a):
+            raise ValueError(
+                f"{_CALLER}: inside shard_map over vocab_axis={axis!r}, {name} must hold the same "
+                f"tokens on every shard of {axis!r} (invariant over it), got {name} with "
+                f"{_describe(a)} varying over {axis!r}; gather it first (jax.lax.all_gather)"
+            )
+
+
+def _check_explicit_shardings(axis: str, mesh, x, w, labels, where):
+    """Under Explicit axes: w over V only, x's tokens not over ``axis``, labels/where like x."""
+    explicit = _explicit_axes(mesh)
+    if not explicit:
+        return
+    w_spec, x_spec = _type_spec(w), _type_spec(x)
+    want_w = ((), (axis,) if axis in explicit else ())
+    if w_spec != want_w:
+        raise ValueError(
+            f"{_CALLER}: with vocab_axis={axis!r}, w must be sharded over V only, as "
+            f"{_show_spec(want_w)}; got jax.typeof(w).sharding.spec = {_show_spec(w_spec)}. "
+            f"Reshard it: jax.sharding.reshard(w, {_show_spec(want_w)})"
+        )
+    if x_spec[-1] or any(axis in d for d in x_spec[:-1]):
+        want_x = tuple(tuple(n for n in d if n != axis) for d in x_spec[:-1]) + ((),)
+        raise ValueError(
+            f"{_CALLER}: with vocab_axis={axis!r}, x's D dimension must not be sharded and its "
+            f"token dimensions not over {axis!r}; got jax.typeof(x).sharding.spec = "
+            f"{_show_spec(x_spec)}. Reshard it: jax.sharding.reshard(x, {_show_spec(want_x)})"
+        )
+    for name, a in (("labels", labels), ("where", where)):
+        if a is not None and _type_spec(a) != x_spec[:-1]:
+            raise ValueError(
+                f"{_CALLER}: {name} must be sharded like x's token dimensions, "
+                f"{_show_spec(x_spec[:-1])}; got jax.typeof({name}).sharding.spec = "
+                f"{_show_spec(_type_spec(a))}. Reshard it: "
+                f"jax.sharding.reshard({name}, {_show_spec(x_spec[:-1])})"
+            )
+
+
+def _resolve_vocab_split(x, w, labels, where, vocab_axis) -> _VocabSplit | None:
+    """Checks ``vocab_axis`` against the current mesh and the inputs' shardings; None: no split.
+
+    ``vocab_axis=None`` is inferred from ``w``'s type under an Explicit mesh; under Auto axes
+    (shardings not in the types) it must be given.
+    """
+    if vocab_axis is not None and not isinstance(vocab_axis, str):
+        raise TypeError(
+            f"{_CALLER}: vocab_axis must be a mesh axis name (str) or None, got "
+            f"{type(vocab_axis).__name__} ({vocab_axis!r})"
+        )
+    mesh = jax.sharding.get_abstract_mesh()
+    if vocab_axis is None:
+        vocab_axis = _inferred_vocab_axis(mesh, w)
+        if vocab_axis is None:
+            return None
+    if vocab_axis in mesh.manual_axes:
+        _check_manual_split(vocab_axis, x, w, labels, where)
+        return _VocabSplit(vocab_axis, lax.axis_size(vocab_axis), manual=True)
+    if mesh.empty:
+        raise ValueError(
+            f"{_CALLER}: vocab_axis={vocab_axis!r} needs a mesh: call it under "
+            "`with jax.set_mesh(mesh):`, or inside jax.shard_map over that axis"
+        )
+    if vocab_axis not in mesh.axis_names:
+        raise ValueError(
+            f"{_CALLER}: vocab_axis={vocab_axis!r} is not an axis of the current mesh, whose "
+            f"axes are {tuple(mesh.axis_names)}"
+        )
+    size = mesh.shape[vocab_axis]
+    if w.shape[1] % size:
+        raise ValueError(
+            f"{_CALLER}: w's V = {w.shape[1]} must be divisible by the size {size} of "
+            f"vocab_axis={vocab_axis!r}, got w with {_describe(w)}; pad the vocabulary"
+        )
+    _check_explicit_shardings(vocab_axis, mesh, x, w, labels, where)
+    return _VocabSplit(vocab_axis, size, manual=False)
+
+
+def _per_token(cfg: _Config, split: _VocabSplit | None, x, w, b, labels, mask):
+    """Per-token loss and lse [N], f32: one call of the core, or one per vocabulary shard."""
+    if split is None:
+        return _lce_core(cfg, x, w, b, labels, mask)
+    cfg = cfg._replace(axis_name=split.axis)
+    if split.manual:
+        return _lce_core(cfg, x, w, b, labels, mask)
+    # Manual over the vocabulary axis, and over the Explicit axes the tokens are sharded over
+    # (read from labels' type), so that per-token residuals stay sharded; Auto axes stay auto.
+    ax = split.axis
+    tok_axes = _type_spec(labels)[0]
+    tok = None if not tok_axes else tok_axes[0] if len(tok_axes) == 1 else tok_axes
+    args = [x, w, labels, mask]
+    specs = [P(tok, None), P(None, ax), P(tok), P(tok)]
+    if b is not None:
+        if ax in _explicit_axes(jax.sharding.get_abstract_mesh()) and _type_spec(b) != ((ax,),):
+            b = jax.sharding.reshard(b, P(ax))  # a [V] vector: slicing it costs nothing
+        args.append(b)
+        specs.append(P(ax))
+
+    def shard(x, w, labels, mask, b=None):
+        return _lce_core(cfg, x, w, b, labels, mask)
+
+    return jax.shard_map(
+        shard,
+        in_specs=tuple(specs),
+        out_specs=(P(tok), P(tok)),
+        axis_names=frozenset({ax, *tok_axes}),
+    )(*args)
+
+
 def _is_concrete(a: Any) -> bool:
     return a is None or not isinstance(a, jax.core.Tracer)
 
@@ -159,9 +347,59 @@ def _chunk_logits(x, w, b, start, cfg: _Config):
     return wc, z
 
 
+def _vocab_offset(cfg: _Config, v: int):
+    """Global id of this shard's first column of ``w``, and the global vocabulary size."""
+    if cfg.axis_name is None:
+        return 0, v
+    return lax.axis_index(cfg.axis_name) * v, v * lax.axis_size(cfg.axis_name)
+
+
+def _explicit_sharding(a):
+    """``a``'s sharding when the current mesh has Explicit axes (for ops that cannot infer it)."""
+    return jax.typeof(a).sharding if jax.sharding.get_abstract_mesh().explicit_axes else None
+
+
+def _manual_axes(*arrays) -> tuple:
+    """The manual mesh axes (inside ``jax.shard_map``) any of ``arrays`` varies over, in mesh order.
+
+    Empty outside ``shard_map``.
+    """
+    varying = frozenset().union(*(_jc.varying_axes(a) for a in arrays if a is not None))
+    return tuple(n for n in jax.sharding.get_abstract_mesh().axis_names if n in varying)
+
+
+def _vary(a, axes: tuple):
+    """``a`` cast to vary over ``axes`` too (a loop carry must have the type of its update)."""
+    missing = tuple(n for n in axes if n not in _jc.varying_axes(a))
+    return lax.pcast(a, missing, to="varying") if missing else a
+
+
+def _psum_to(a, like):
+    """Sums ``a`` over the manual axes ``like`` does not vary over: a cotangent for ``like``.
+
+    Inside ``shard_map(check_vma=True)`` a custom VJP must return each cotangent varying over
+    exactly the axes its input does: ``dx`` is summed over the vocabulary axis, ``dw`` over the
+    token axes (what JAX's own transposes of the implicit casts would do).
+    """
+    extra = tuple(n for n in _manual_axes(a) if n not in _jc.varying_axes(like))
+    return lax.psum(a, extra) if extra else a
+
+
+def _combine_shards(cfg: _Config, m, s, zy, zsum):
+    """Vocabulary-parallel log-sum-exp: the global max, then sums of the shards' rescaled sums.
+
+    As Megatron-LM's vocab-parallel cross-entropy: one ``pmax`` and one ``psum`` over the
+    vocabulary axis, on ``[N]`` vectors (never the logits).
+    """
+    m_all = lax.pmax(m, cfg.axis_name)
+    parts = (s * jnp.exp(m - m_all), zy) + ((zsum,) if cfg.label_smoothing else ())
+    parts = lax.psum(parts, cfg.axis_name)
+    return (m_all, *parts[:2], parts[2] if cfg.label_smoothing else zsum)
+
+
 def _forward(cfg: _Config, x, w, b, labels, mask):
-    n = x.shape[0]
     v = w.shape[1]
+    offset, v_total = _vocab_offset(cfg, v)
     num_chunks = -(-v // cfg.chunk_size)
 
     def body(i, carry):
@@ -171,20 +409,24 @@ def _forward(cfg: _Config, x, w, b, labels, mask):
         zm = jnp.where(colvalid[None, :], z, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(zm, axis=1))
         s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(zm - m_new[:, None]), axis=1)
-        hit = (cols[None, :] == labels[:, None]) & colvalid[None, :]
+        hit = (cols[None, :] + offset == labels[:, None]) & colvalid[None, :]
         zy = zy + jnp.sum(jnp.where(hit, z, 0.0), axis=1)
         if cfg.label_smoothing:
             zsum = zsum + jnp.sum(jnp.where(colvalid[None, :], z, 0.0), axis=1)
         return m_new, s, zy, zsum
 
-    zeros = jnp.zeros((n,), jnp.float32)
-    init = (jnp.full((n,), -jnp.inf, jnp.float32), zeros, zeros, zeros)
+    # Carries typed like a column of x (its sharding on Explicit meshes), varying over every
+    # manual axis an input varies over.
+    zeros = _vary(jnp.zeros_like(x[:, 0], jnp.float32), _manual_axes(x, w, b, labels, mask))
+    init = (jnp.full_like(zeros, -jnp.inf), zeros, zeros, zeros)
     m, s, zy, zsum = lax.fori_loop(0, num_chunks, body, init)
+    if cfg.axis_name is not None:
+        m, s, zy, zsum = _combine_shards(cfg, m, s, zy, zsum)
     lse = m + jnp.log(s)
     alpha = cfg.label_smoothing
     loss = lse - (1.0 - alpha) * zy
     if alpha:
-        loss = loss - (alpha / v) * zsum
+        loss = loss - (alpha / v_total) * zsum
     if cfg.z_loss:
         loss = loss + cfg.z_loss * lse * lse
     return jnp.where(mask, loss, 0.0), lse
@@ -205,6 +447,7 @@ def _lce_bwd(cfg, res, cts):
     x, w, b, labels, mask, lse = res
     g_loss, g_lse = cts
     v = w.shape[1]
+    offset, v_total = _vocab_offset(cfg, v)
     alpha = cfg.label_smoothing
     gl = jnp.where(mask, g_loss, 0.0).astype(jnp.float32)
     coef = gl * (1.0 + 2.0 * cfg.z_loss * lse) + g_lse.astype(jnp.float32)
@@ -216,10 +459,10 @@ def _lce_bwd(cfg, res, cts):
         start, cols, colvalid = _chunk(i, cfg, v)
         wc, z = _chunk_logits(x, w, b, start, cfg)
         p = jnp.where(colvalid[None, :], jnp.exp(z - lse[:, None]), 0.0)
-        hit = (cols[None, :] == labels[:, None]) & colvalid[None, :]
+        hit = (cols[None, :] + offset == labels[:, None]) & colvalid[None, :]
         target = (1.0 - alpha) * hit.astype(jnp.float32)
         if alpha:
-            target = target + jnp.where(colvalid[None, :], alpha / v, 0.0)
+            target = target + jnp.where(colvalid[None, :], alpha / v_total, 0.0)
         dz = coef[:, None] * p - gl[:, None] * target
         if cfg.logit_softcap is not None:
             t = z / cfg.logit_softcap
@@ -228,22 +471,29 @@ def _lce_bwd(cfg, res, cts):
         dx = dx + lax.dot_general(
             dzc, wc, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
-        dwc = lax.dot_general(x, dzc, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        dwc = lax.dot_general(
+            x,
+            dzc,
+            (((0,), (0,)), ((), ())),
+            preferred_element_type=jnp.float32,
+            out_sharding=_explicit_sharding(dw),
+        )
+        dwc = _psum_to(dwc, w)  # over token axes, chunk by chunk: no unreduced [D, V] buffer
         old = lax.dynamic_slice_in_dim(dw, start, cfg.chunk_size, axis=1)
         dw = lax.dynamic_update_slice_in_dim(dw, old + dwc.astype(dw.dtype), start, axis=1)
         if db is not None:
             old_b = lax.dynamic_slice_in_dim(db, start, cfg.chunk_size)
-            db_new = old_b + jnp.sum(dz, axis=0).astype(db.dtype)
+            db_new = old_b + _psum_to(jnp.sum(dz, axis=0), b).astype(db.dtype)
             db = lax.dynamic_update_slice_in_dim(db, db_new, start, axis=0)
         return dx, dw, db
 
     init = (
-        jnp.zeros(x.shape, jnp.float32),
-        jnp.zeros(w.shape, w.dtype),
-        None if b is None else jnp.zeros(b.shape, b.dtype),
+        _vary(jnp.zeros_like(x, jnp.float32), _manual_axes(x, w, b, labels, mask)),
+        jnp.zeros_like(w),
+        None if b is None else jnp.zeros_like(b),
     )
     dx, dw, db = lax.fori_loop(0, num_chunks, body, init)
-    return dx.astype(x.dtype), dw, db, None, None
+    return _psum_to(dx, x).astype(x.dtype), dw, db, None, None
 
 
 _lce_core.defvjp(_lce_fwd, _lce_bwd)
@@ -263,6 +513,7 @@ def linear_cross_entropy(
     logit_softcap: float | None = None,
     reduction: str = "mean",
     return_lse: bool = False,
+    vocab_axis: str | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Softmax cross-entropy of ``x @ w (+ bias)`` without materializing the [N, V] logits.
 
@@ -298,6 +549,28 @@ def linear_cross_entropy(
     agree with the f32 gradients of the same values to about 2e-2 relative (bf16 rounding of the
     result and of the per-chunk logit cotangents).
 
+    Vocabulary-parallel (``vocab_axis``): with ``w`` (and ``bias``) sharded over V on a mesh axis,
+    each shard walks over its own ``[D, V / shards]`` slice of ``w`` and the shards combine their
+    per-token log-sum-exp pieces and label logits with one ``pmax`` and one ``psum`` of ``[N]``
+    vectors, as Megatron-LM's vocab-parallel cross-entropy: no device ever holds all of ``w`` or
+    all logits of a token. ``dw`` (and ``dbias``) come back sharded like ``w``, ``dx`` like ``x``
+    (summed over the vocabulary shards); ``labels`` are global vocabulary ids. Three settings:
+
+    - Explicit mesh (``jax.set_mesh`` of a mesh with ``AxisType.Explicit`` axes): ``vocab_axis``
+      is read from ``jax.typeof(w).sharding`` when not given. ``x`` must not be sharded over D nor
+      its tokens over the vocabulary axis; ``labels`` and ``where`` must be sharded like ``x``'s
+      token dimensions (a ValueError says how to reshard otherwise).
+    - Auto mesh: shardings are not in the types, so ``vocab_axis`` must be given; tokens keep
+      whatever sharding the compiler gives them over the other axes.
+    - Inside ``jax.shard_map`` over ``vocab_axis`` (``check_vma=True``, the default): ``w`` and
+      ``bias`` are this shard's slices; ``x``, ``labels`` and ``where`` must be the same on every
+      shard of ``vocab_axis``. ``"mean"`` and ``"sum"`` reduce this shard's tokens only: combine
+      them over the token axes yourself (e.g. ``reduction="sum"``, then ``jax.lax.psum``).
+
+    Under a mesh, the function runs a ``jax.shard_map`` over the vocabulary axis (and the Explicit
+    axes the tokens are sharded over), every shard running the chunked core on its slice. V must
+    be divisible by the size of the axis.
+
     Not supported: forward-mode differentiation (``jax.jvp``, ``jax.jacfwd``) - a custom VJP
     limit; gradients with respect to ``labels`` or ``where`` (they are integer/boolean).
 
@@ -319,6 +592,9 @@ def linear_cross_entropy(
       reduction: ``"mean"``, ``"sum"`` or ``"none"``.
       return_lse: Also return the per-token log-sum-exp (shape ``labels.shape``, f32, computed for
         every token, masked or not); it is differentiable too.
+      vocab_axis: Name of the mesh axis ``w``'s V dimension is sharded over, for the
+        vocabulary-parallel loss (above), or None: inferred from ``w``'s type under an Explicit
+        mesh, else no vocabulary split.
 
     Returns:
       The loss (a scalar, or ``labels.shape`` for ``"none"``), f32; with ``return_lse``, the pair
@@ -328,7 +604,9 @@ def linear_cross_entropy(
       TypeError: an argument has the wrong type or dtype (non-floating x/w/bias, non-integer
         labels, non-boolean where, non-int chunk_size, traced static floats).
       ValueError: shapes disagree, ``chunk_size <= 0``, an unknown reduction, an option out of
-        range, or concrete labels out of ``[0, V)`` at unmasked tokens.
+        range, or concrete labels out of ``[0, V)`` at unmasked tokens; with ``vocab_axis``:
+        no mesh, an axis not in the mesh, V not divisible by its size, or (Explicit axes, or
+        inside ``shard_map``) inputs sharded in a way the vocabulary split cannot use.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
@@ -357,11 +635,33 @@ got labels[0, 0] = -100, labels[1, 2] = 50. Mark such tokens with ignore_index o
       >>> jax.jit(linear_cross_entropy)(x, w, labels)  # traced: NaN, not a plausible number
       Array(nan, dtype=float32)
 
+      Vocabulary-parallel on 8 devices, tokens over "data", w's V over "model", under an
+      Explicit mesh (``vocab_axis="model"`` is read from ``w``'s type; under an Auto mesh pass
+      it):
+
+      >>> from jax.sharding import AxisType, PartitionSpec as P
+      >>> mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+      >>> w = jax.random.normal(kw, (8, 64)) / 3         # V = 64, 16 per shard
+      >>> labels = jax.random.randint(kl, (2, 6), 0, 64)
+      >>> with jax.set_mesh(mesh):
+      ...     xs = jax.sharding.reshard(x, P("data"))
+      ...     ws = jax.sharding.reshard(w, P(None, "model"))
+      ...     ys = jax.sharding.reshard(labels, P("data"))
+      ...     grad = jax.jit(jax.value_and_grad(linear_cross_entropy, argnums=(0, 1)))
+      ...     loss, (dx, dw) = grad(xs, ws, ys)
+      >>> jax.typeof(dw).sharding.spec, jax.typeof(dx).sharding.spec
+      (P(None, 'model'), P('data', None, None))
+      >>> naive = optax.softmax_cross_entropy_with_integer_labels(x @ w, labels).mean()
+      >>> bool(jnp.allclose(loss, naive, rtol=1e-5))
+      True
+
     References:
       Wijmans et al., 2024. "Cut Your Losses in Large-Vocabulary Language Models" (Apple Cut
       Cross-Entropy), arXiv:2411.09009.
       Hsu et al., 2024. "Liger Kernel: Efficient Triton Kernels for LLM Training" (fused linear
       cross-entropy), arXiv:2410.10989.
+      Shoeybi et al., 2019. "Megatron-LM: Training Multi-Billion Parameter Language Models Using
+      Model Parallelism" (vocab-parallel cross-entropy), arXiv:1909.08053.
     """
     v = _check_inputs(x, w, labels, bias, where, chunk_size, reduction)
     alpha = _check_float(label_smoothing, "label_smoothing", 0.0, 1.0)
@@ -377,12 +677,16 @@ got labels[0, 0] = -100, labels[1, 2] = 50. Mark such tokens with ignore_index o
             f"{type(ignore_index).__name__} ({ignore_index!r})"
         )
 
+    split = _resolve_vocab_split(x, w, labels, where, vocab_axis)
+    v_local, v = (v, v) if split is None else split.vocab_sizes(v)  # labels are global ids
+
     shape = tuple(labels.shape)
     n = math.prod(shape)
     d = w.shape[0]
     x2 = jnp.reshape(x, (n, d))
     labels1 = jnp.reshape(labels, (n,))
-    mask = jnp.ones((n,), jnp.bool_) if where is None else jnp.reshape(where, (n,))
+    # All True, typed like labels (jnp.ones_like drops the sharding of a concrete array in jit).
+    mask = labels1 == labels1 if where is None else jnp.reshape(where, (n,))
     if ignore_index is not None:
         mask = mask & (labels1 != ignore_index)
     if _is_concrete(labels) and _is_concrete(where):
@@ -392,8 +696,8 @@ got labels[0, 0] = -100, labels[1, 2] = 50. Mark such tokens with ignore_index o
             np_valid = np_valid & (np_labels != ignore_index)
         _check_labels_concretely(np_labels, np_valid, v)
 
-    cfg = _Config(min(int(chunk_size), v), alpha, zc, cap)
-    loss, lse = _lce_core(cfg, x2, w, bias, labels1, mask)
+    cfg = _Config(min(int(chunk_size), v_local), alpha, zc, cap)
+    loss, lse = _per_token(cfg, split, x2, w, bias, labels1, mask)
     out_of_range = mask & ((labels1 < 0) | (labels1 >= v))
     loss = jnp.where(out_of_range, jnp.nan, loss)
 

@@ -1,0 +1,383 @@
+"""Vocabulary-parallel jaxmem.losses.linear_cross_entropy on a 2x4 ('data', 'model') mesh.
+
+w [D, V] is sharded over V on 'model', x and labels over tokens on 'data'. Checked under an Auto
+mesh, an Explicit mesh and inside a user's jax.shard_map, against the naive loss (full logits,
+optax cross-entropy) computed in the same program: values, gradients, the gradients' shardings,
+the compiled HLO (no all-gather of the whole w) and the compiled per-device temp.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxmem.losses import linear_cross_entropy
+
+B, T, D, V = 4, 4, 8, 64  # 16 tokens, 16 vocabulary columns per 'model' shard
+RTOL = 2e-5
+X_SPEC, W_SPEC, B_SPEC, TOK_SPEC = P("data", None, None), P(None, "model"), P("model"), P("data")
+
+# (name, options of linear_cross_entropy, options of the naive loss). The masked variants use
+# labels with ignore_index -100 at a few tokens and a `where` mask.
+VARIANTS = [
+    ("plain", {"chunk_size": 6}, {}),
+    ("no_bias_sum", {"bias": None, "reduction": "sum", "chunk_size": 64}, {"bias": None}),
+    ("masked_mean", {"ignore_index": -100, "where": True, "chunk_size": 8}, {"masked": True}),
+    (
+        "smooth_zloss_none",
+        {"label_smoothing": 0.2, "z_loss": 1e-2, "reduction": "none", "chunk_size": 6},
+        {"label_smoothing": 0.2, "z_loss": 1e-2},
+    ),
+    (
+        "softcap_masked_sum",
+        {"logit_softcap": 2.0, "ignore_index": -100, "where": True, "reduction": "sum"},
+        {"softcap": 2.0, "masked": True},
+    ),
+    (
+        "all_lse",
+        {
+            "label_smoothing": 0.1,
+            "z_loss": 0.1,
+            "logit_softcap": 3.0,
+            "ignore_index": -100,
+            "where": True,
+            "return_lse": True,
+            "chunk_size": 8,
+        },
+        {"label_smoothing": 0.1, "z_loss": 0.1, "softcap": 3.0, "masked": True},
+    ),
+]
+
+
+def _mesh(kind):
+    return jax.make_mesh((2, 4), ("data", "model"), axis_types=(kind,) * 2)
+
+
+def _host_data(seed=0, masked=False):
+    """x [B, T, D], w [D, V], b [V], labels [B, T] (two of them -100 if masked), where [B, T]."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((B, T, D)).astype(np.float32)
+    w = (rng.standard_normal((D, V)) / 2).astype(np.float32)
+    b = rng.standard_normal((V,)).astype(np.float32)
+    labels = rng.integers(0, V, (B, T)).astype(np.int32)
+    if masked:
+        labels[0, 1] = labels[3, 2] = -100
+    where = (np.arange(B * T).reshape(B, T) % 5) != 2
+    return x, w, b, labels, where
+
+
+def _put(mesh, arrays, b_spec=B_SPEC):
+    """(x, w, b, labels, where) placed with the test's shardings."""
+    specs = (X_SPEC, W_SPEC, b_spec, TOK_SPEC, TOK_SPEC)
+    return tuple(
+        jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(arrays, specs, strict=True)
+    )
+
+
+def _naive(x, w, b, labels, where, *, bias=True, masked=False, **kw):
+    """Per-token loss and lse, written plainly: full logits, optax cross-entropy."""
+    logits = jnp.einsum("btd,dv->btv", x, w, preferred_element_type=jnp.float32)
+    if bias is not None:
+        logits = logits + b[None, None, :]
+    if kw.get("softcap"):
+        logits = kw["softcap"] * jnp.tanh(logits / kw["softcap"])
+    mask = (where & (labels != -100)) if masked else jnp.ones(labels.shape, bool)
+    targets = jax.nn.one_hot(jnp.where(mask, labels, 0), w.shape[1])
+    if kw.get("label_smoothing"):
+        targets = optax.smooth_labels(targets, kw["label_smoothing"])
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    loss = optax.softmax_cross_entropy(logits, targets) + kw.get("z_loss", 0.0) * lse**2
+    return jnp.where(mask, loss, 0.0), lse, mask
+
+
+def _reduce(loss, mask, reduction):
+    if reduction == "mean":
+        return jnp.sum(loss) / jnp.maximum(jnp.sum(mask), 1)
+    return jnp.sum(loss) if reduction == "sum" else loss
+
+
+def _scalar(out, return_lse):
+    """One scalar of (loss[, lse]) whose gradient involves every output element."""
+    loss, lse = out if return_lse else (out, None)
+    total = jnp.sum(jnp.sin(loss)) if loss.ndim else loss
+    return total if lse is None else total + jnp.sum(jnp.sin(lse))
+
+
+def _ours_kwargs(opts, where):
+    kwargs = dict(opts)
+    if kwargs.get("where"):
+        kwargs["where"] = where
+    return kwargs
+
+
+def _objectives(mode, tokens, mesh):
+    """{variant: (ours, naive)}, scalar functions of (x, w, b) for the given setting.
+
+    ``tokens``: {masked: (labels, where)}, labels with ignored tokens for the masked variants.
+    """
+    out = {}
+    for name, opts, naive_opts in VARIANTS:
+        reduction = opts.get("reduction", "mean")
+        rl = opts.get("return_lse", False)
+        labels, where = tokens[naive_opts.get("masked", False)]
+
+        def naive(x, w, b, naive_opts=naive_opts, reduction=reduction, rl=rl, y=labels, m=where):
+            loss, lse, mask = _naive(x, w, b, y, m, **naive_opts)
+            red = _reduce(loss, mask, reduction)
+            return _scalar((red, lse) if rl else red, rl)
+
+        if mode == "shard_map":
+            ours = _shard_mapped(opts, labels, where, mesh)
+        else:
+            extra = {"vocab_axis": "model"} if mode == "auto" or name == "plain" else {}
+
+            def ours(x, w, b, opts=opts, rl=rl, extra=extra, y=labels, m=where):
+                kw = _ours_kwargs(opts, m)
+                bias = kw.pop("bias", b)
+                return _scalar(linear_cross_entropy(x, w, y, bias=bias, **kw, **extra), rl)
+
+        out[name] = (ours, naive)
+    return out
+
+
+def _shard_mapped(opts, labels, where, mesh):
+    """The loss inside the user's shard_map over both axes, reduced over 'data' by the user."""
+    reduction = opts.get("reduction", "mean")
+    rl = opts.get("return_lse", False)
+
+    def local(x, w, b, labels, where):
+        kw = _ours_kwargs(opts, where)
+        bias = kw.pop("bias", b)
+        out = linear_cross_entropy(x, w, labels, bias=bias, vocab_axis="model", **kw)
+        loss, lse = out if rl else (out, None)
+        if reduction == "mean":  # this shard's mean: weigh it by this shard's token count
+            mask = where & (labels != -100) if "where" in kw else labels == labels
+            count = jnp.sum(mask).astype(jnp.float32)
+            loss = jax.lax.psum(loss * count, "data") / jnp.maximum(jax.lax.psum(count, "data"), 1)
+        elif reduction == "sum":
+            loss = jax.lax.psum(loss, "data")
+        return loss, lse
+
+    loss_spec = P("data", None) if reduction == "none" else P()
+    sm = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(X_SPEC, W_SPEC, B_SPEC, P("data", None), P("data", None)),
+        out_specs=(loss_spec, P("data", None) if rl else None),
+    )
+
+    def ours(x, w, b):
+        loss, lse = sm(x, w, b, labels, where)
+        return _scalar((loss, lse) if rl else loss, rl)
+
+    return ours
+
+
+def _assert_close(a, b, what):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    scale = np.abs(b).max(initial=0.0)
+    np.testing.assert_allclose(a, b, rtol=RTOL, atol=RTOL * scale, err_msg=what)
+
+
+@pytest.mark.parametrize("mode", ["auto", "explicit", "shard_map"])
+def test_values_and_gradients_match_naive(mode):
+    """Every variant, ours and naive, in one compiled program per setting."""
+    kind = AxisType.Explicit if mode == "explicit" else AxisType.Auto
+    mesh = _mesh(kind)
+    b_spec = P(None) if mode == "explicit" else B_SPEC  # Explicit: a replicated bias is sliced
+    with jax.set_mesh(mesh):
+        x, w, b, labels, where = _put(mesh, _host_data(), b_spec)
+        masked_labels = _put(mesh, _host_data(masked=True))[3]
+        objectives = _objectives(mode, {False: (labels, where), True: (masked_labels, where)}, mesh)
+
+        @jax.jit
+        def both(x, w, b):
+            return {
+                name: tuple(jax.value_and_grad(f, (0, 1, 2))(x, w, b) for f in fs)
+                for name, fs in objectives.items()
+            }
+
+        results = both(x, w, b)
+    for name, ((v_ours, g_ours), (v_ref, g_ref)) in results.items():
+        _assert_close(v_ours, v_ref, f"{mode}/{name}: value")
+        for arg, go, gr in zip(("dx", "dw", "dbias"), g_ours, g_ref, strict=True):
+            assert go.shape == gr.shape and go.dtype == gr.dtype, (mode, name, arg)
+            _assert_close(go, gr, f"{mode}/{name}: {arg}")
+        if mode == "explicit":  # gradients are sharded like their inputs, in the types
+            specs = [jax.typeof(g).sharding.spec for g in g_ours]
+            assert specs == [X_SPEC, W_SPEC, b_spec], (name, specs)
+        else:
+            assert g_ours[1].sharding.spec == W_SPEC, (mode, name, g_ours[1].sharding)
+
+
+# --- compiled program: shardings, collectives, memory -------------------------------------------
+
+N_MEM, D_MEM, V_MEM, C_MEM = 64, 16, 1024, 64
+
+
+def _full_w_gathers(hlo: str, d: int, v: int) -> list[str]:
+    """HLO all-gathers with a result of at least the d * v elements of the whole w."""
+    op = re.compile(r"=\s*(?P<ty>.*?)\s+all-gather(?:-start)?\(")
+    found = []
+    for line in hlo.splitlines():
+        m = op.search(line)
+        shapes = re.findall(r"\[([\d,]*)\]", m.group("ty")) if m else []
+        if any(np.prod([int(s) for s in shape.split(",") if s]) >= d * v for shape in shapes):
+            found.append(line.strip()[:160])
+    return found
+
+
+def _compiled_grad(mesh, loss):
+    s = jax.ShapeDtypeStruct
+    args = (
+        s((N_MEM, D_MEM), jnp.float32, sharding=NamedSharding(mesh, P("data", None))),
+        s((D_MEM, V_MEM), jnp.float32, sharding=NamedSharding(mesh, W_SPEC)),
+        s((N_MEM,), jnp.int32, sharding=NamedSharding(mesh, TOK_SPEC)),
+    )
+    return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile()
+
+
+def _naive_mean(x, w, labels):
+    lp = jax.nn.log_softmax(x @ w, axis=-1)
+    return -jnp.mean(jnp.sum(lp * jax.nn.one_hot(labels, w.shape[1]), axis=-1))
+
+
+@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+def test_compiled_no_gather_of_w_sharded_dw_and_less_temp(kind):
+    mesh = _mesh(kind)
+
+    def ours(x, w, y):
+        return linear_cross_entropy(x, w, y, chunk_size=C_MEM, vocab_axis="model")
+
+    with jax.set_mesh(mesh):
+        c_ours, c_naive = _compiled_grad(mesh, ours), _compiled_grad(mesh, _naive_mean)
+    assert _full_w_gathers(c_ours.as_text(), D_MEM, V_MEM) == []
+    dx_sharding, dw_sharding = c_ours.output_shardings
+    assert dw_sharding.spec == W_SPEC and dx_sharding.spec == P("data", None)
+    t_ours = c_ours.memory_analysis().temp_size_in_bytes
+    t_naive = c_naive.memory_analysis().temp_size_in_bytes
+    assert t_naive >= N_MEM // 2 * V_MEM // 4 * 4  # naive holds its [N/2, V/4] f32 logits
+    assert t_ours < t_naive / 2, (t_ours, t_naive)
+
+
+def test_gather_check_catches_the_non_vocab_parallel_call():
+    """Without vocab_axis under an Auto mesh, XLA gathers all of w on every device."""
+    mesh = _mesh(AxisType.Auto)
+    with jax.set_mesh(mesh):
+        c = _compiled_grad(mesh, lambda x, w, y: linear_cross_entropy(x, w, y, chunk_size=C_MEM))
+    assert _full_w_gathers(c.as_text(), D_MEM, V_MEM)
+    assert c.output_shardings[1].spec != W_SPEC
+
+
+def test_explicit_mesh_with_replicated_w_keeps_the_plain_path():
+    """No vocabulary split when w is not sharded over V; tokens sharded over 'data' work."""
+    mesh = _mesh(AxisType.Explicit)
+    x, w, _, labels, where = _host_data(masked=True)
+    with jax.set_mesh(mesh):
+        xs, ys, ms = (jax.device_put(a, P("data")) for a in (x, labels, where))
+        ws = jax.device_put(w, P())
+
+        def ours(x, w):
+            return linear_cross_entropy(x, w, ys, where=ms, ignore_index=-100, chunk_size=24)
+
+        def naive(x, w):
+            loss, _, mask = _naive(x, w, None, ys, ms, bias=None, masked=True)
+            return _reduce(loss, mask, "mean")
+
+        (v_ours, g_ours), (v_ref, g_ref) = jax.jit(
+            lambda x, w: (
+                jax.value_and_grad(ours, (0, 1))(x, w),
+                jax.value_and_grad(naive, (0, 1))(x, w),
+            )
+        )(xs, ws)
+    _assert_close(v_ours, v_ref, "value")
+    for go, gr in zip(g_ours, g_ref, strict=True):
+        _assert_close(go, gr, "grad")
+    assert jax.typeof(g_ours[1]).sharding.spec == P(None, None)
+
+
+# --- errors -------------------------------------------------------------------------------------
+
+
+def _explicit_inputs(mesh, **specs):
+    x, w, b, labels, where = _host_data()
+    s = {"x": X_SPEC, "w": W_SPEC, "labels": P("data", None), "where": P("data", None)}
+    s.update(specs)
+    return (
+        jax.device_put(x, s["x"]),
+        jax.device_put(w, s["w"]),
+        jax.device_put(labels, s["labels"]),
+        jax.device_put(where, s["where"]),
+    )
+
+
+@pytest.mark.parametrize(
+    "specs,kwargs,match",
+    [
+        ({"labels": P(None, None)}, {}, r"labels must be sharded like x's token dimensions"),
+        ({"where": P(None, "data")}, {"where": True}, r"where must be sharded like x's token"),
+        ({"w": P("data", "model")}, {}, r"w must be sharded over V only"),
+        (
+            {"w": P()},
+            {"vocab_axis": "model"},
+            r"w must be sharded over V only, as P\(None, 'model'\)",
+        ),
+        ({"x": P("data", None, "model")}, {}, r"x's D dimension must not be sharded"),
+        (
+            {"x": P("model", None, None), "labels": P("model", None)},
+            {},
+            r"token dimensions not over 'model'",
+        ),
+        ({}, {"vocab_axis": "modle"}, r"vocab_axis='modle' is not an axis of the current mesh"),
+        ({}, {"vocab_axis": 1}, r"vocab_axis must be a mesh axis name"),
+    ],
+)
+def test_explicit_mesh_errors(specs, kwargs, match):
+    mesh = _mesh(AxisType.Explicit)
+    with jax.set_mesh(mesh):
+        x, w, labels, where = _explicit_inputs(mesh, **specs)
+        if kwargs.pop("where", False):
+            kwargs["where"] = where
+        exc = TypeError if match.startswith("vocab_axis must") else ValueError
+        with pytest.raises(exc, match=match):
+            linear_cross_entropy(x, w, labels, **kwargs)
+
+
+def test_auto_mesh_errors():
+    x, w, _, labels, _ = _host_data()
+    with pytest.raises(ValueError, match=r"vocab_axis='model' needs a mesh"):
+        linear_cross_entropy(x, w, labels, vocab_axis="model")
+    with jax.set_mesh(_mesh(AxisType.Auto)):
+        with pytest.raises(ValueError, match=r"V = 62 must be divisible by the size 4"):
+            linear_cross_entropy(x, w[:, :62], labels % 62, vocab_axis="model")
+        with pytest.raises(ValueError, match=r"not an axis of the current mesh"):
+            linear_cross_entropy(x, w, labels, vocab_axis="vocab")
+        labels[1, 3] = V  # out of the global vocabulary [0, 64), not of a shard's [0, 16)
+        with pytest.raises(
+            ValueError, match=r"\[0, V\) = \[0, 64\) where not ignored; got labels\[1, 3\] = 64\."
+        ):
+            linear_cross_entropy(x, w, labels, vocab_axis="model")
+
+
+def test_shard_map_errors():
+    mesh = _mesh(AxisType.Auto)
+    x, w, _, labels, _ = _host_data()
+
+    def run(in_specs):
+        f = jax.shard_map(
+            lambda x, w, y: linear_cross_entropy(x, w, y, vocab_axis="model", reduction="none"),
+            mesh=mesh,
+            in_specs=in_specs,
+            out_specs=P(*in_specs[2]),
+        )
+        return jax.jit(f)(x, w, labels)
+
+    with pytest.raises(ValueError, match=r"w must be this shard's slice of the vocabulary"):
+        run((P("data"), P(), P("data")))
+    with pytest.raises(ValueError, match=r"x must hold the same tokens on every shard of 'model'"):
+        run((P("model"), P(None, "model"), P("model")))
