@@ -332,3 +332,21 @@ def test_profile_says_figures_are_per_device():
     )
     assert "per device, 8 devices" in str(cmp).splitlines()[0]
     assert sharded.to_dict()["num_devices"] == 8
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+def test_fsdp_gathered_weights_are_regathered_not_stacked(axis_type):
+    """A layer's gathered weight (``reshard`` to replicated: FSDP's all-gather) is recomputed in
+    the backward pass from the sharded xs slice, as FSDP gathers parameters again there; its
+    full [D, D] copy is not stacked per layer (lax.scan stacks it under an Explicit mesh)."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
+    _, args, arg_specs = fsdp(jaxmem.scan)
+    with jax.set_mesh(mesh):
+        ws, bs, x = (
+            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s))
+            for a, s in zip(args, arg_specs, strict=True)
+        )
+        plan = jaxmem.scan_residuals(fsdp_step, x, (ws, bs))
+    gathered = [r for r in plan.residuals if r.shape == (D, D)]
+    assert gathered and {r.kind for r in gathered} <= {"xs", "recomputed"}
+    assert (D, D) not in [r.shape for r in plan.stacked]

@@ -60,6 +60,9 @@ CHEAP_PRIMITIVES: frozenset[str] = frozenset(
     shift_left shift_right_arithmetic shift_right_logical sign sin sinh slice split sqrt square
     squeeze sub tan tanh transpose xor
     """.split()
+    # Re-layouts on a mesh: recomputing one in the backward pass re-gathers a weight instead of
+    # stacking its gathered copy per step, as FSDP (ZeRO-3) gathers parameters again there.
+    + "reshard sharding_constraint all_gather".split()
 )
 
 # Where a residual comes from in the backward pass.
