@@ -5,8 +5,9 @@ The same code runs as 1 process x 8 CPU devices and as 2 processes x 4 CPU devic
 builds one global 8-device mesh ('data' x 'model' = 4 x 2), creates the same deterministic global
 inputs, and takes the loss and gradients of a 4-layer scanned MLP stack (weights stacked on a
 leading axis, FSDP-sharded over 'data' and Megatron-sharded over 'model', batch over 'data')
-followed by :func:`jaxmem.losses.linear_cross_entropy` (``--head dense``: optax's cross-entropy
-of the full logits), once with :func:`jaxmem.scan` and once with :func:`jax.lax.scan`, on a mesh
+followed by a vocabulary-parallel :func:`jaxmem.losses.linear_cross_entropy` (``w_out``
+sharded over 'model' along V; ``--head dense``: optax's cross-entropy of the full logits), once
+with :func:`jaxmem.scan` and once with :func:`jax.lax.scan`, on a mesh
 of Auto axes (``--mesh-type auto``, the default) or Explicit ones (``explicit``). Process 0
 writes the losses and gradients, gathered to the host, to ``--out`` (npz; keys ``jaxmem.loss``,
 ``jaxmem.w1``, ..., ``lax.loss``, ...).
@@ -43,7 +44,7 @@ SPECS = {
     "labels": P("data", None),
     "w1": P(None, "data", "model"),  # [LAYERS, D_MODEL, D_HIDDEN]
     "w2": P(None, "model", "data"),  # [LAYERS, D_HIDDEN, D_MODEL]
-    "w_out": P("data", None),  # [D_MODEL, VOCAB]
+    "w_out": P(None, "model"),  # [D_MODEL, VOCAB]: vocabulary-parallel
 }
 SCANS = {"jaxmem": jaxmem.scan, "lax": jax.lax.scan}
 
@@ -110,9 +111,11 @@ def make_loss(scan, explicit, head):
 
     def loss(params, x, labels):
         h, _ = scan(block, x, {"w1": params["w1"], "w2": params["w2"]})
+        if head == "linear_cross_entropy":  # vocabulary-parallel: w_out is never gathered
+            return jaxmem.losses.linear_cross_entropy(
+                h, params["w_out"], labels, chunk_size=16, vocab_axis="model"
+            )
         w_out = gather(params["w_out"], P(None, None))
-        if head == "linear_cross_entropy":
-            return jaxmem.losses.linear_cross_entropy(h, w_out, labels, chunk_size=16)
         logits = contract("btd,dv->btv", h, w_out, P("data", None, None))
         return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 

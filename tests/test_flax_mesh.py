@@ -6,11 +6,16 @@ logical name "layers"); initialized under jit with the shardings the annotations
 same block with ``nnx.with_partitioning`` under ``jax.set_mesh`` (NNX shards at creation),
 stacked with ``transform_metadata={nnx.PARTITION_NAME: None}``, Auto and Explicit meshes. Each
 compares: the parameter shardings, the loss and gradients (f32 rtol 2e-5), the gradients'
-shardings, and the per-device temp of the compiled gradient (jaxmem's <= stock's). Both stacks
-also run inside ``shard_map`` (check_vma on; parameters replicated, the batch split).
+shardings, and the per-device temp of the compiled gradient (jaxmem's <= stock's). Linen also
+runs under an Explicit mesh (parameters placed with ``device_put``: linen's partitioning boxes
+are unboxed with ``with_sharding_constraint``, an assertion under Explicit axes, for ``nn.scan``
+too). Both stacks also run inside ``shard_map`` (check_vma on; parameters replicated, the batch
+split).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -273,3 +278,70 @@ def test_nnx_stack_inside_shard_map_equals_nnx_scan(policy):
         value, grads = _shard_map_grads(pure, state, x)
         out[kind] = (value, jax.tree.leaves(grads))
     assert_close(out["jaxmem"], out["stock"])
+
+
+class ExplicitLinenBlock(nn.Module):
+    """A Megatron block for an Explicit mesh: the row-parallel matmul names its output sharding.
+
+    Its parameters carry no ``nn.with_partitioning`` boxes: linen unboxes them with
+    ``with_sharding_constraint``, which is an assertion under Explicit axes (for ``nn.scan`` as
+    for jaxmem), so the parameters are placed with ``jax.device_put`` after init instead.
+    """
+
+    @nn.compact
+    def __call__(self, h, _):
+        init = nn.initializers.lecun_normal()
+        up = self.param("up", init, (D, F))
+        down = self.param("down", init, (F, D))
+        u = jax.nn.gelu(h @ up)
+        return h + jnp.matmul(u, down, out_sharding=P("data", None)), None
+
+
+class _Stacked(nn.Module):
+    stack: Any
+
+    @nn.compact
+    def __call__(self, x):
+        return self.stack()(x, None)[0]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_linen_stack_on_an_explicit_mesh_equals_nn_scan(policy):
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    specs_of = {"up": P(None, None, "model"), "down": P(None, "model", None)}
+    results = {}
+    with jax.set_mesh(mesh):
+        x = jax.device_put(jax.random.normal(jax.random.key(1), (B, D)), P("data", None))
+        for kind in ("stock", "jaxmem"):
+            if kind == "stock":
+                block = ExplicitLinenBlock
+                if policy is not None:
+                    block = nn.remat(block, policy=jax.checkpoint_policies.dots_saveable)
+                stack = nn.scan(
+                    block, variable_axes={"params": 0}, split_rngs={"params": True}, length=L
+                )
+            else:
+                stack = jl.scan_layers(ExplicitLinenBlock, L, carry_only=False, policy=policy)
+            model = _Stacked(stack)
+            params = jax.jit(model.init)(jax.random.key(0), x)
+            if kind == "jaxmem":  # stock's values (nn.remat renames the module)
+                params = jax.tree.unflatten(jax.tree.structure(params), results["stock"][0])
+            params = jax.tree_util.tree_map_with_path(
+                lambda path, a: jax.device_put(a, specs_of[path[-1].key]), params
+            )
+            fn = jax.jit(jax.value_and_grad(lambda p, x, m=model: jnp.mean(m.apply(p, x) ** 2)))
+            compiled = fn.lower(params, x).compile()
+            value, grads = fn(params, x)
+            results[kind] = (
+                jax.tree.leaves(params),
+                (value, jax.tree.leaves(grads)),
+                [jax.typeof(g).sharding.spec for g in jax.tree.leaves(grads)],
+                compiled.memory_analysis().temp_size_in_bytes,
+            )
+    (_, lean, lean_specs, lean_temp), (params, ref, ref_specs, ref_temp) = (
+        results["jaxmem"],
+        results["stock"],
+    )
+    assert_close(lean, ref)
+    assert lean_specs == ref_specs == [jax.typeof(p).sharding.spec for p in params]
+    assert lean_temp <= ref_temp, (lean_temp, ref_temp)
