@@ -403,18 +403,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     ok = ce["jaxmem_over_naive"] <= 1 / 8
     print(f"linear_cross_entropy temp ratio {ce['jaxmem_over_naive']:.4f} <= 1/8: {ok}")
     if args.json:
-        out = {
-            "jax": jax.__version__,
-            "backend": jax.default_backend(),
-            "devices": [str(d) for d in jax.devices()],
-            "platform": platform.platform(),
-            "date": datetime.datetime.now(datetime.UTC).isoformat(),
-            "cross_entropy": ce,
-            "cross_entropy_time": tm,
-            "selective": sel,
-        }
-        args.json.write_text(json.dumps(out, indent=2))
+        _write_json(args.json, cross_entropy=ce, cross_entropy_time=tm, selective=sel)
     return 0 if ok else 1
+
+
+def _write_json(path, **results) -> None:
+    """Writes ``results`` to ``path`` as JSON, after the environment they were measured in."""
+    out = {
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()],
+        "platform": platform.platform(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(),
+        **results,
+    }
+    path.write_text(json.dumps(out, indent=2))
 
 
 def _main_sharded(args: argparse.Namespace) -> int:
@@ -431,15 +434,7 @@ def _main_sharded(args: argparse.Namespace) -> int:
     shown = ", ".join(f"{kind} {r:.4f}" for kind, r in ratios.items())
     print(f"vocabulary-parallel temp ratio ({chunk}) {shown} <= 1/4, no w all-gather: {ok}")
     if args.json:
-        out = {
-            "jax": jax.__version__,
-            "backend": jax.default_backend(),
-            "devices": [str(d) for d in jax.devices()],
-            "platform": platform.platform(),
-            "date": datetime.datetime.now(datetime.UTC).isoformat(),
-            "cross_entropy_sharded": sh,
-        }
-        args.json.write_text(json.dumps(out, indent=2))
+        _write_json(args.json, cross_entropy_sharded=sh)
     return 0 if ok else 1
 
 
