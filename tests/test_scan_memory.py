@@ -301,3 +301,33 @@ def test_issue_body_h_times_xw_is_not_above_stock():
 
     s = lambda *shape: jax.ShapeDtypeStruct(shape, f32)
     assert_not_above_stock(loss_of, (s(d, d), s(t, b, d), s(b, d)), "h * (x @ w), loss sum(ys**2)")
+
+
+@pytest.mark.parametrize("act", [jax.nn.relu, jax.nn.silu], ids=["relu", "silu"])
+def test_custom_jvp_activation_keeps_its_input_not_output_and_mask(act):
+    """relu is a custom_jvp function: its backward pass reads the bool mask ``u > 0`` and the
+    next matmul reads ``relu(u)``. Both recompute cheaply from ``u``, so the plan keeps ``u``
+    alone (one f32 per element), where lax.scan keeps ``relu(u)`` and the mask beside it."""
+    b, d, f, length = 8, 16, 64, 3
+
+    def step(h, w):
+        w1, w2 = w
+        return h + act(h @ w1) @ w2, None
+
+    rng = np.random.default_rng(0)
+    ws = tuple(
+        jnp.asarray(rng.normal(size=(length, *s)), jnp.float32) * 0.3 for s in ((d, f), (f, d))
+    )
+    h0 = jnp.asarray(rng.normal(size=(b, d)), jnp.float32)
+    plan = jaxmem.scan_residuals(step, h0, ws)
+    kept = [(r.shape, r.dtype, r.kind) for r in plan.stacked]
+    assert kept == [((b, f), "float32", "stacked"), ((b, d), "float32", "carry")]
+    assert plan.stacked_bytes < plan.stock_stacked_bytes
+
+    def loss(scan):
+        return lambda ws, h0: jnp.sum(scan(step, h0, ws)[0] ** 2)
+
+    grads = jax.grad(loss(jaxmem.scan), argnums=(0, 1))(ws, h0)
+    ref = jax.grad(loss(jax.lax.scan), argnums=(0, 1))(ws, h0)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(g, r, rtol=2e-5, atol=1e-6)

@@ -86,7 +86,10 @@ def _is_cheap(eqn) -> bool:
         return True
     if name == "device_put":
         return not any(jc.is_host(v.aval) for v in eqn.outvars)
-    if name in jc.CALL_PRIMITIVES:
+    if name in jc.CALL_PRIMITIVES or name == "custom_jvp_call":
+        # A custom_jvp function (relu, silu, softplus, ...) evaluates its call_jaxpr: cheap
+        # when that is. Recomputing relu(u) from u lets the cut keep u alone where it kept
+        # relu(u) and the bool mask u > 0 beside it.
         return all(_is_cheap(e) for sub in jc.subjaxprs(eqn) for e in sub.eqns)
     return False
 
