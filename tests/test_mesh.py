@@ -1,7 +1,8 @@
 """jaxmem.scan on a device mesh: Auto and Explicit axis types, and inside ``shard_map``.
 
-Every case runs stock ``jax.lax.scan`` and :func:`jaxmem.scan` on the same sharded inputs in the
-same program and compares: values and gradients (f32 rtol 2e-5), the shardings of the gradients
+Every case runs stock ``jax.lax.scan`` (its step under ``jax.checkpoint`` with the same policy
+for the policy variant) and :func:`jaxmem.scan` on the same sharded inputs in the same program
+and compares: values and gradients (f32 rtol 2e-5), the shardings of the gradients
 (the compiled executable's output shardings; under an Explicit mesh also the types), and the
 per-device temp of the compiled gradient (jaxmem's <= stock's). The 8 CPU devices come from the
 root conftest (``--xla_force_host_platform_device_count=8``, set before jax is imported).
@@ -28,6 +29,19 @@ VARIANTS = {
     "policy": {"policy": jaxmem.policies.by_name("dots")},
     "offload": {"offload": "residuals"},
 }
+
+
+def stock_scan(variant):
+    """Stock's equivalent of a variant: ``lax.scan``, its step under ``jax.checkpoint`` with the
+    same policy for the policy variant (offload is a no-op on CPU)."""
+    policy = VARIANTS[variant].get("policy")
+    if policy is None:
+        return jax.lax.scan
+
+    def scan(f, init, xs):
+        return jax.lax.scan(jax.checkpoint(f, policy=policy, prevent_cse=False), init, xs)
+
+    return scan
 
 
 def _normal(seed, shape, scale=1.0):
@@ -97,7 +111,25 @@ def sequence(scan):
     return loss, args, (P(), P(), P(None, "data", None), P("data", None))
 
 
-MODELS = {"fsdp": fsdp, "megatron": megatron, "sequence": sequence}
+def dropout(scan):
+    """An MLP stack with dropout (its keep mask is kept by jaxmem as bits), batch over 'data'."""
+
+    def loss(ws, x):
+        keys = jax.random.split(jax.random.key(7), L)
+
+        def step(h, wk):
+            w, key = wk
+            u = jnp.tanh(h @ w)
+            keep = jax.random.bernoulli(key, 0.8, u.shape)
+            return h + jnp.where(keep, u / 0.8, 0.0), None
+
+        h, _ = scan(step, x, (ws, keys))
+        return jnp.mean(h**2)
+
+    return loss, (_normal(0, (L, D, D), D**-0.5), _normal(2, (B, D))), (P(), P("data", None))
+
+
+MODELS = {"fsdp": fsdp, "megatron": megatron, "sequence": sequence, "dropout": dropout}
 
 
 # --- comparisons ----------------------------------------------------------------------------
@@ -127,7 +159,7 @@ def compare(make_model, variant, mesh, axis_type):
     """Stock vs jaxmem on ``mesh``: values, gradients, gradient shardings, per-device temp."""
     results = {}
     for name, scan in (
-        ("stock", jax.lax.scan),
+        ("stock", stock_scan(variant)),
         ("jaxmem", functools.partial(jaxmem.scan, **VARIANTS[variant])),
     ):
         loss, args, arg_specs = make_model(scan)
@@ -194,7 +226,7 @@ def test_scan_inside_shard_map_equals_stock(variant):
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
     results = {}
     for name, scan in (
-        ("stock", jax.lax.scan),
+        ("stock", stock_scan(variant)),
         ("jaxmem", functools.partial(jaxmem.scan, **VARIANTS[variant])),
     ):
         local, args, arg_specs = shard_map_fsdp(scan)

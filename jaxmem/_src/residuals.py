@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from jaxmem._src import jax_compat as jc
 from jaxmem._src import mincut
@@ -76,8 +77,27 @@ _is_var = jc.is_var
 _TIE = 1 << 12
 
 
+def packs_bits(aval) -> bool:
+    """Whether a kept value of type ``aval`` is stored as bits: a boolean mask (dropout's keep
+    mask, a ``where`` condition) whose last axis is at least 2 long and not sharded in its type.
+    :func:`jaxmem.scan` packs such a partial activation 8 to a byte in the forward step
+    (``jnp.packbits`` on the last axis) and unpacks it in the backward step."""
+    if getattr(aval, "dtype", None) != np.dtype(bool) or not aval.shape or aval.shape[-1] < 2:
+        return False
+    spec = tuple(getattr(getattr(aval, "sharding", None), "spec", ()) or ())
+    return len(spec) < len(aval.shape) or spec[len(aval.shape) - 1] is None
+
+
+def kept_bytes(aval) -> int:
+    """Bytes a kept value of type ``aval`` takes: 1 bit per element for a packed mask."""
+    if packs_bits(aval):
+        rows = int(np.prod(aval.shape[:-1], dtype=np.int64))
+        return rows * -(-aval.shape[-1] // 8)
+    return _nbytes(aval)
+
+
 def _cost(aval) -> int:
-    return _nbytes(aval) * _TIE + 1
+    return kept_bytes(aval) * _TIE + 1
 
 
 def _is_cheap(eqn) -> bool:
@@ -653,7 +673,7 @@ def summarize(plan: StepPlan, length: int, stock_stacked_bytes: int | None) -> S
         return PlannedResidual(
             shape=tuple(aval.shape),
             dtype=str(aval.dtype) if hasattr(aval, "dtype") else "",
-            bytes=_nbytes(aval),
+            bytes=kept_bytes(aval) if kind == "stacked" else _nbytes(aval),
             kind=kind,
             source=("literal" if not _is_var(v) else _var_source(eqn_of, v, role.get(v, "const"))),
         )

@@ -293,6 +293,16 @@ def _apply_policy(f, policy, fname: str):
     return jax.checkpoint(f, policy=policy, prevent_cse=False)
 
 
+def _pack(mask):
+    """A boolean mask kept as bits: 8 elements of the last axis to a byte (``uint8``)."""
+    return jnp.packbits(mask, axis=-1)
+
+
+def _unpack(bits, n: int):
+    """The mask :func:`_pack` packed, its last axis ``n`` long."""
+    return jnp.unpackbits(bits, axis=-1, count=n).astype(jnp.bool_)
+
+
 def _to_host(x):
     return jax.device_put(x, jax.memory.Space.Host)
 
@@ -338,6 +348,7 @@ class _Plan:
     step: _res.StepPlan
     offload_stacked: tuple[bool, ...]  # per partial activation: kept in host memory
     offload_carry: tuple[bool, ...]  # per kept carry sequence: kept in host memory
+    packed: tuple[int | None, ...]  # per partial activation: a mask kept as bits (its length)
 
 
 class _Saved(NamedTuple):
@@ -384,7 +395,10 @@ class _LeanScan:
             summary = self.summary(step)
             for collector in _PLAN_COLLECTORS:
                 collector.append(summary)
-        return _Plan(step, tuple(stacked), tuple(carry))
+        packed = tuple(
+            v.aval.shape[-1] if _res.packs_bits(v.aval) else None for v in step.stacked_vars
+        )
+        return _Plan(step, tuple(stacked), tuple(carry), packed)
 
     def summary(self, step) -> ScanPlan:
         return _res.summarize(step, self.length, _stock_stacked_bytes(self.body, step, self.length))
@@ -409,6 +423,7 @@ class _LeanScan:
         def step(carry, x):
             outs = forward(*consts, *hoisted, *carry, *x)
             c_out, y, stacked = outs[:n_carry], outs[n_carry : n_carry + n_y], outs[n_carry + n_y :]
+            stacked = [_pack(v) if n else v for v, n in zip(stacked, plan.packed, strict=True)]
             stacked = [
                 _to_host(v) if off else v
                 for v, off in zip(stacked, plan.offload_stacked, strict=True)
@@ -494,6 +509,9 @@ class _LeanScan:
             stacked_t = [
                 _to_device(v) if off else v
                 for v, off in zip(stacked_t, plan.offload_stacked, strict=True)
+            ]
+            stacked_t = [
+                _unpack(v, n) if n else v for v, n in zip(stacked_t, plan.packed, strict=True)
             ]
             c_in = [
                 _to_device(c) if off else c for c, off in zip(c_in, plan.offload_carry, strict=True)
