@@ -369,7 +369,10 @@ class _LeanScan:
     and a reverse loop that rebuilds each step's residuals from them (DESIGN.md §2)."""
 
     def __init__(self, body, length, reverse, unroll, recompute, offload, fname, spaces=None):
-        self.body = body
+        # The body without its traced constants: they are the custom VJP's first argument, and
+        # a reference here (kept alive by the rules) would leak the enclosing trace's tracers.
+        self.body = _Body(body.jaxpr, [], body.n_carry, body.carry_tree, body.y_tree)
+        self.n_consts = len(body.consts)
         self.length = length
         self.reverse = reverse
         self.unroll = unroll
@@ -387,9 +390,7 @@ class _LeanScan:
         """The plan, made on first use (it depends only on the body's input types)."""
         jaxpr = self.body.jaxpr
         in_avals = [v.aval for v in _jc.open_jaxpr(jaxpr).invars]
-        step = _res.plan_step(
-            jaxpr, len(self.body.consts), self.body.n_carry, in_avals, self.recompute
-        )
+        step = _res.plan_step(jaxpr, self.n_consts, self.body.n_carry, in_avals, self.recompute)
         stacked, carry = _offload_masks(step, self.offload, self.fname)
         if _PLAN_COLLECTORS:  # The summary traces stock lax.scan: only when someone asks.
             summary = self.summary(step)
