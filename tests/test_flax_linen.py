@@ -254,3 +254,92 @@ def test_errors():
     unstacked = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), params)
     with pytest.raises(ValueError, match="length=3 along variable axis 0"):
         jax.eval_shape(lambda p: stack.apply({"params": p}, H, MASK, True), unstacked)
+
+
+# ------------------------------------------------------------------------------------------
+# jaxmem.flax.linen.scan: nn.scan's signature (Flax's own tests: tests/test_flax_linen_upstream.py).
+
+
+class SharedCell(nn.Module):
+    """Broadcast (shared) params, dropout, a scanned input."""
+
+    @nn.compact
+    def __call__(self, h, x):
+        h = jnp.tanh(nn.Dense(4, name="shared")(h) + x)
+        y = nn.Dropout(0.5, deterministic=False)(h)
+        return h, jnp.sum(y, axis=-1)
+
+
+def _shared_scan(scan):
+    kw = dict(variable_broadcast="params", in_axes=0, out_axes=1)
+    return scan(SharedCell, split_rngs={"params": False, "dropout": True}, **kw)()
+
+
+def test_scan_matches_nn_scan_broadcast_carry_dropout():
+    ours, ref = _shared_scan(jl.scan), _shared_scan(nn.scan)
+    h, xs = H[0], np.random.default_rng(4).normal(size=(L, 5, 4)).astype(np.float32)
+    rngs = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
+    v, v_ref = jax.jit(ours.init)(rngs, h, xs), jax.jit(ref.init)(rngs, h, xs)
+    assert_parity(v, v_ref, tol=0.0)
+    assert v["params"]["shared"]["kernel"].shape == (4, 4)  # broadcast: computed once, unstacked
+
+    def f(model):
+        def loss(p, h, xs):
+            c, ys = model.apply({"params": p}, h, xs, rngs={"dropout": jax.random.key(2)})
+            return jnp.sum(c**2) + jnp.sum(jnp.sin(ys)), ys
+
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
+            v["params"], h, xs
+        )
+
+    assert_parity(f(ours), f(ref))  # same dropout masks, outputs and gradients
+
+
+def test_scan_function_form_and_policy():
+    def body(cell, c, x):
+        return cell(c, x)
+
+    class Model(nn.Module):
+        scan: object
+
+        @nn.compact
+        def __call__(self, h, xs):
+            f = self.scan(body, variable_axes={"params": 0}, split_rngs={"params": True})
+            return f(Scanned(), h, xs)  # length inferred from xs
+
+    ours = Model(functools.partial(jl.scan, policy="dots"))
+    ref = Model(nn.scan)
+    h, xs = np.ones((2, 4), np.float32), np.random.default_rng(5).normal(size=(L, 1, 4))
+    params = jax.jit(ref.init)(jax.random.key(0), h, xs)
+    assert_parity(jax.jit(ours.init)(jax.random.key(0), h, xs), params, tol=0.0)
+
+    def g(model):
+        return jax.jit(jax.grad(lambda p: jnp.sum(model.apply(p, h, xs)[1] ** 2)))(params)
+
+    assert_parity(g(ours), g(ref))
+
+
+def test_scan_errors():
+    with pytest.raises(NotImplementedError, match=r"_split_transpose.*nn\.scan"):
+        jl.scan(Scanned, variable_axes={"params": 0}, _split_transpose=True)
+    h, xs = np.ones((2, 4), np.float32), np.ones((L, 1, 4), np.float32)
+    model = jl.scan(Scanned, variable_axes={"params": 0}, split_rngs={"params": True})()
+    params = model.init(jax.random.key(0), h, xs)
+    with pytest.raises(TypeError, match=r"forward-mode.*nn\.scan"):
+        jax.jvp(lambda h: model.apply(params, h, xs)[0], (h,), (h,))
+    with pytest.raises(ValueError, match="length should be specified manually"):
+        jl.scan(Scanned, variable_axes={"params": 0}, in_axes=nn.broadcast)().init(
+            jax.random.key(0), h, xs
+        )
+    # A broadcast variable initialised from the loop's data: as nn.scan, a data dependency error.
+    shared = jl.scan(Scanned, variable_broadcast="params", split_rngs={"params": True})()
+    with pytest.raises(ValueError, match="broadcasted variable has a data dependency"):
+        shared.init(jax.random.key(0), h, xs)
+    with pytest.raises(ValueError, match="check_constancy_invariants=False"):
+        jl.scan(
+            Scanned,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            out_axes=nn.broadcast,
+            check_constancy_invariants=False,
+        )().init(jax.random.key(0), h, xs)

@@ -1,7 +1,9 @@
-"""Flax linen integration: layer stacks scanned by :func:`jaxmem.scan`, and remat with policies.
+"""Flax linen integration: ``nn.scan`` on :func:`jaxmem.scan`, layer stacks, remat with policies.
 
-:func:`scan_layers` is ``nn.scan`` for a stack of identical layers whose loop is
-:func:`jaxmem.scan`: the same lifting (``flax.core.lift.pack``), the same variable layout (one
+:func:`scan` is ``flax.linen.scan`` (same signature: broadcast, carried and scanned
+collections, function and Module-class forms, ``methods``, ...) whose loop is
+:func:`jaxmem.scan`; :func:`scan_layers` is its form for a stack of identical layers. Both have
+the same lifting (``flax.core.lift.pack``), the same variable layout (one
 leading layer axis per collection in ``variable_axes``) and the same per-layer RNG splitting
 (``jax.random.split(jax.random.clone(rng), length)`` per split stream), so parameters are
 interchangeable with the ``nn.scan`` equivalent and dropout masks match; only the gradient is
@@ -36,7 +38,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax.core import axes_scan, lift, meta
+from flax.core import FrozenDict, axes_scan, lift, meta
 from flax.core.scope import Scope
 from jax.tree_util import keystr, tree_flatten_with_path
 
@@ -91,34 +93,94 @@ def _check_scan_options(policy, offload, recompute, unroll, fname: str):
 # ------------------------------------------------------------------------------------------
 # The lifted scan: flax.core.lift.scan with jaxmem.scan as the loop.
 
+_NN_SCAN_WAY_OUT = "Use flax.linen.scan (nn.scan) for this module instead."
 
-def _axes_scan(fn, in_axes, out_axes, length, reverse, unroll, scan_kwargs):
-    """``flax.core.axes_scan.scan`` (without broadcast outputs) running :func:`jaxmem.scan`."""
 
-    def to_front(ax, xs):
-        if ax is axes_scan.broadcast:
-            return ()
-        return jax.tree_util.tree_map(lambda x: jnp.moveaxis(x, ax, 0), xs)
+def _to_front(ax, xs):
+    if ax is axes_scan.broadcast:
+        return ()
+    return jax.tree_util.tree_map(lambda x: jnp.moveaxis(x, ax, 0), xs)
 
-    def from_front(ax, ys):
-        if ax is axes_scan.broadcast:
-            return ()
-        return jax.tree_util.tree_map(lambda y: jnp.moveaxis(y, 0, ax), ys)
+
+def _from_front(ax, ys):
+    if ax is axes_scan.broadcast:
+        return ()
+    return jax.tree_util.tree_map(lambda y: jnp.moveaxis(y, 0, ax), ys)
+
+
+def _broadcast_outputs(body_fn, init, xs):
+    """Runs one step for its loop-invariant outputs, as ``flax.core.axes_scan.scan`` does.
+
+    Flax traces the body once, checks that the broadcast outputs (broadcast variables and
+    broadcast ``ys``) do not depend on the carry or the scanned inputs, and evaluates them
+    outside the loop. Here the step runs under ``jax.vmap`` over a batch of one (public API):
+    an output that depends on the carry or ``xs`` is batched, which ``out_axes=None`` rejects.
+    """
+    batched = (
+        jax.tree_util.tree_map(lambda x: jnp.expand_dims(x, 0), init),
+        jax.tree_util.tree_map(lambda x: x[:1], xs),
+    )
+    try:
+        return jax.vmap(lambda c, x: body_fn(c, x, init_mode=True), out_axes=None)(*batched)
+    except ValueError as e:
+        if "out_axes" not in str(e):
+            raise
+        raise ValueError(
+            "broadcasted variable has a data dependency on the scan body. (A broadcast "
+            "variable or a broadcast output of the scanned body depends on the carry or on a "
+            "scanned input.)"
+        ) from None
+
+
+def _axes_scan(
+    fn, in_axes, out_axes, length, reverse, unroll, check_constancy, scan_kwargs, fname, on_loop
+):
+    """``flax.core.axes_scan.scan`` with :func:`jaxmem.scan` as its loop.
+
+    ``fn(broadcast_in, carry, *args) -> (broadcast_out, carry, ys)``; broadcast outputs are
+    computed once outside the loop (when ``check_constancy``) and fed to the loop body.
+    ``on_loop()`` runs between that broadcast step and the loop.
+    """
+    bcast = axes_scan.broadcast
 
     def run(broadcast_in, init, *args):
-        xs = jax.tree_util.tree_map(to_front, in_axes, args)
+        xs = jax.tree_util.tree_map(_to_front, in_axes, args)
 
-        def body(c, xs):
+        def body_fn(c, xs, init_mode=False):
             xs = jax.tree_util.tree_map(
-                lambda ax, arg, x: arg if ax is axes_scan.broadcast else x, in_axes, args, xs
+                lambda ax, arg, x: arg if ax is bcast else x, in_axes, args, xs
             )
-            _, c, ys = fn(broadcast_in, c, *xs)
+            broadcast_out, c, ys = fn(broadcast_in, c, *xs)
+            if init_mode:
+                ys = jax.tree_util.tree_map(lambda ax, y: y if ax is bcast else (), out_axes, ys)
+                return broadcast_out, ys
+            ys = jax.tree_util.tree_map(lambda ax, y: () if ax is bcast else y, out_axes, ys)
             return c, ys
 
-        c, ys = _scan.scan(
-            body, init, xs, length=length, reverse=reverse, unroll=unroll, **scan_kwargs
-        )
-        return broadcast_in, c, jax.tree_util.tree_map(from_front, out_axes, ys)
+        if check_constancy:
+            broadcast_in, constants_out = _broadcast_outputs(body_fn, init, xs)
+        elif bcast in jax.tree_util.tree_leaves(out_axes):
+            raise ValueError(
+                "nn.scan run with check_constancy_invariants=False does not support broadcast "
+                f"non-carry function outputs.  out_axes was given as {out_axes}"
+            )
+        on_loop()
+        try:
+            c, ys = _scan.scan(
+                body_fn, init, xs, length=length, reverse=reverse, unroll=unroll, **scan_kwargs
+            )
+        except _scan.ForwardModeError as e:
+            raise _scan.ForwardModeError(
+                f"{fname}: forward-mode AD (jax.jvp, jax.jacfwd, jax.linearize) cannot pass "
+                "through this scan: its loop is jaxmem.scan, whose memory savings come from a "
+                f"custom VJP (reverse mode only). {_NN_SCAN_WAY_OUT}"
+            ) from e
+        ys = jax.tree_util.tree_map(_from_front, out_axes, ys)
+        if check_constancy:
+            ys = jax.tree_util.tree_map(
+                lambda ax, const, y: const if ax is bcast else y, out_axes, constants_out, ys
+            )
+        return broadcast_in, c, ys
 
     return run
 
@@ -127,30 +189,69 @@ def _scopes(scope_tree: Any) -> list[Scope]:
     return jax.tree_util.tree_leaves(scope_tree, is_leaf=lambda x: isinstance(x, Scope))
 
 
-def _set_counters(live: list[dict], values: list[dict]):
-    for d, v in zip(live, values, strict=True):
-        d.clear()
-        d.update(v)
+def _snapshot(counters: dict) -> dict:
+    return {k: _snapshot(v) if isinstance(v, dict) else v for k, v in counters.items()}
 
 
-def _dry_trace(step, broadcast_vars, carry, scan_groups, rng_groups, args, in_axes):
-    """Traces one step abstractly, as ``flax.core.axes_scan.scan``'s constancy check does."""
-    full = (scan_groups, rng_groups, args)
-    bcast = axes_scan.broadcast
-    sliced = jax.tree_util.tree_map(
-        lambda ax, x: (
-            () if ax is bcast else jax.tree_util.tree_map(lambda a: jnp.take(a, 0, axis=ax), x)
-        ),
-        in_axes,
-        full,
-    )
+def _restore(counters: dict, snap: dict):
+    """Sets the (nested) counter dict ``counters`` back to ``snap``, in place."""
+    for k in [k for k in counters if k not in snap]:
+        del counters[k]
+    for k, v in snap.items():
+        if isinstance(v, dict):
+            if not isinstance(counters.get(k), dict):
+                counters[k] = {}
+            _restore(counters[k], v)
+        else:
+            counters[k] = v
 
-    def one(carry, sliced):
-        xs = jax.tree_util.tree_map(lambda ax, x, s: x if ax is bcast else s, in_axes, full, sliced)
-        _, carry, _ = step(broadcast_vars, carry, *xs)
-        return carry
 
-    jax.eval_shape(one, carry, sliced)
+class _RngPin:
+    """Makes every trace of the loop body see the same RNG counters, as one lax.scan trace would.
+
+    Each trace of the body advances the scopes' RNG counters (``make_rng``). ``nn.scan`` traces
+    its body once for the broadcast outputs, then once in ``lax.scan``; :func:`jaxmem.scan` may
+    trace it more than once. After :meth:`start_loop`, the first trace runs from the counters
+    it finds and leaves them advanced; later traces start from the same counters and leave the
+    advanced ones in place. So the random streams are nn.scan's.
+    """
+
+    def __init__(self):
+        self.start: list[dict] | None = None
+
+    def start_loop(self):
+        self.start = None
+
+    def __call__(self, scope_tree, run):
+        live = [s.rng_counters for s in _scopes(scope_tree)]
+        if self.start is None:
+            self.start = [_snapshot(d) for d in live]
+            return run()
+        after = [_snapshot(d) for d in live]
+        for d, snap in zip(live, self.start, strict=True):
+            _restore(d, snap)
+        out = run()
+        for d, snap in zip(live, after, strict=True):
+            _restore(d, snap)
+        return out
+
+
+def _scan_length(in_axes, args, length):
+    """The number of steps: ``length``, or the scanned inputs' size (``lift.scan``'s rule)."""
+
+    def find_length(axis, x):
+        if axis is not axes_scan.broadcast:
+            leaves = jax.tree_util.tree_leaves(x)
+            if leaves:
+                return leaves[0].shape[axis]
+        return ()
+
+    lengths = set(jax.tree_util.tree_leaves(jax.tree_util.tree_map(find_length, in_axes, args)))
+    if len(lengths) > 1:
+        raise ValueError(f"Inconsistent scan lengths: {lengths}")
+    if length is None and not lengths:
+        raise ValueError("length should be specified manually.")
+    return length if length is not None else lengths.pop()
 
 
 def _check_stacked(group: tuple[Mapping[str, Any], ...], axis: int, length: int, fname: str):
@@ -161,23 +262,28 @@ def _check_stacked(group: tuple[Mapping[str, Any], ...], axis: int, length: int,
             ax = axis if axis >= 0 else len(shape) + axis
             if not 0 <= ax < len(shape) or shape[ax] != length:
                 raise ValueError(
-                    f"{fname}: variable {col}{keystr(path)} has shape {shape}, but the stack has "
+                    f"{fname}: variable {col}{keystr(path)} has shape {shape}, but the scan has "
                     f"length={length} along variable axis {axis}. Pass variables created by "
-                    "this stack (or by the nn.scan equivalent with the same length), and list "
+                    "this scan (or by the nn.scan equivalent with the same length), and list "
                     "each stacked collection in variable_axes with the axis it is stacked on."
                 )
 
 
-def scan(  # named "scan" so that the lifted class is called Scan<Block>, as with nn.scan
+def _lift_scan(
     fn: Callable[..., Any],
-    variable_axes: Mapping[Any, int],
-    split_rngs: Mapping[Any, bool],
-    in_axes: Any,
-    out_axes: Any,
-    length: int,
-    reverse: bool,
-    unroll: int,
-    metadata_params: Mapping[Any, Any],
+    variable_axes: Mapping[Any, Any] = FrozenDict(),
+    variable_broadcast: Any = False,
+    variable_carry: Any = False,
+    split_rngs: Mapping[Any, bool] = FrozenDict(),
+    in_axes: Any = 0,
+    out_axes: Any = 0,
+    length: int | None = None,
+    reverse: bool = False,
+    unroll: int = 1,
+    data_transform: Callable[..., Any] | None = None,
+    metadata_params: Mapping[Any, Any] = FrozenDict(),
+    check_constancy_invariants: bool = True,
+    *,
     carry_only: bool,
     fname: str,
     scan_kwargs: Mapping[str, Any],
@@ -189,63 +295,56 @@ def scan(  # named "scan" so that the lifted class is called Scan<Block>, as wit
     rng_groups, rng_splits = lift._unzip2(split_rngs.items())
     rng_axes = tuple(0 if split else axes_scan.broadcast for split in rng_splits)
 
-    def split_fn(rng):
-        return jax.random.split(jax.random.clone(rng), length)
-
     def inner(scope_fn, repack_fn, variable_groups, rng_groups, init, *args):
+        n = _scan_length(in_axes, args, length)
         rng_groups = tuple(
-            lift.tree_map_rngs(split_fn, group) if split else group
+            lift.tree_map_rngs(lambda rng: jax.random.split(jax.random.clone(rng), n), group)
+            if split
+            else group
             for group, split in zip(rng_groups, rng_splits, strict=True)
         )
-
-        # Each trace of the body advances the scopes' RNG counters (``make_rng``). nn.scan
-        # traces its body twice (a constancy check, then lax.scan); jaxmem.scan traces it a
-        # varying number of times. So: one dry trace like nn.scan's, then every trace of the
-        # loop body starts from the counters the dry trace left, and retraces leave them alone.
-        counters: dict[str, Any] = {}
+        pin = _RngPin()
 
         def step(broadcast_vars, carry, scan_variable_groups, rng_groups, args):
             carry_vars, c = carry
-            scope = scope_fn((broadcast_vars, carry_vars) + scan_variable_groups, rng_groups)
-            live = [s.rng_counters for s in _scopes(scope)]
-            restore = None
-            if "start" not in counters:
-                counters["start"] = [dict(d) for d in live]
-            else:
-                restore = [dict(d) for d in live]
-                _set_counters(live, counters["start"])
-            out = fn(scope, c, *args)
-            c, y = (out, None) if carry_only else out
+            groups = (broadcast_vars, carry_vars) + scan_variable_groups
+            if data_transform is not None:
+                groups, rng_groups = data_transform(groups, rng_groups)
+            scope = scope_fn(groups, rng_groups)
+
+            def run():
+                out = fn(scope, c, *args)
+                return (out, None) if carry_only else out
+
+            c_out, y = pin(scope, run)
             out_vars = repack_fn(scope)
-            if restore is not None and counters.get("dry_done"):
-                _set_counters(live, restore)
-            return out_vars[0], (out_vars[1], c), (y, out_vars[2:])
+            broadcast_out = out_vars[0]
+            # Immutable broadcast variables go back into the broadcast output (as in flax),
+            # otherwise the loop body would not see them.
+            for in_group, out_group in zip(broadcast_vars, broadcast_out, strict=False):
+                for col in in_group:
+                    if col not in out_group:
+                        out_group[col] = in_group[col]
+            return broadcast_out, (out_vars[1], c_out), (y, out_vars[2:])
 
         loop = _axes_scan(
             step,
             in_axes=(variable_in_axes, rng_axes, in_axes),
             out_axes=(out_axes, variable_out_axes),
-            length=length,
+            length=n,
             reverse=reverse,
             unroll=unroll,
+            check_constancy=check_constancy_invariants,
             scan_kwargs=scan_kwargs,
+            fname=fname,
+            on_loop=pin.start_loop,
         )
+
         broadcast_vars, carry_vars, *scan_vars = variable_groups
         unstacked = []
         for group, axis in zip(scan_vars, variable_in_axes, strict=True):
-            _check_stacked(group, axis, length, fname)
+            _check_stacked(group, axis, n, fname)
             unstacked.append(meta.remove_axis(group, axis, metadata_params))
-        _dry_trace(
-            step,
-            broadcast_vars,
-            (carry_vars, init),
-            tuple(unstacked),
-            rng_groups,
-            args,
-            (variable_in_axes, rng_axes, in_axes),
-        )
-        counters.clear()
-        counters["dry_done"] = True
         broadcast_vars, (carry_vars, c), (ys, scan_vars) = loop(
             broadcast_vars, (carry_vars, init), tuple(unstacked), rng_groups, args
         )
@@ -257,10 +356,229 @@ def scan(  # named "scan" so that the lifted class is called Scan<Block>, as wit
 
     return lift.pack(
         inner,
-        (False, False) + variable_in_groups,
-        (False, False) + variable_out_groups,
+        (variable_broadcast, variable_carry) + variable_in_groups,
+        (variable_broadcast, variable_carry) + variable_out_groups,
         rng_groups,
         name="scan",
+    )
+
+
+def _lift_transform(carry_only: bool, fname: str, scan_kwargs: Mapping[str, Any]):
+    """``lift.scan``'s signature with jaxmem's options bound (``methods`` dicts give per-method
+    ``lift.scan`` keywords only)."""
+
+    def scan(fn, *args, **kwargs):  # "scan": the lifted class is Scan<Block>, as with nn.scan
+        if kwargs.pop("_split_transpose", False):
+            raise NotImplementedError(_split_transpose_message(fname))
+        return _lift_scan(
+            fn, *args, carry_only=carry_only, fname=fname, scan_kwargs=scan_kwargs, **kwargs
+        )
+
+    return scan
+
+
+def _split_transpose_message(fname: str) -> str:
+    return (
+        f"{fname} does not support _split_transpose=True: that experimental lax.scan feature "
+        "splits the transpose of lax.scan's own VJP, and jaxmem.scan has a custom VJP instead. "
+        + _NN_SCAN_WAY_OUT
+    )
+
+
+def _linen_scan(
+    target,
+    *,
+    variable_axes,
+    variable_broadcast,
+    variable_carry,
+    split_rngs,
+    in_axes,
+    out_axes,
+    length,
+    reverse,
+    unroll,
+    data_transform,
+    metadata_params,
+    methods,
+    split_transpose,
+    check_constancy_invariants,
+    policy,
+    offload,
+    recompute,
+    carry_only,
+    fname,
+):
+    """The one implementation behind :func:`scan` and :func:`scan_layers`: checks, then lifts."""
+    policy = _check_scan_options(policy, offload, recompute, unroll, fname)
+    if split_transpose:
+        raise NotImplementedError(_split_transpose_message(fname))
+    if length is not None:
+        length = _check_length(length, fname)
+    if not isinstance(variable_axes, Mapping):
+        raise TypeError(
+            f"{fname} got variable_axes={variable_axes!r}; expected a mapping collection -> "
+            "int axis, e.g. {'params': 0, 'batch_stats': 0}."
+        )
+    if not isinstance(split_rngs, Mapping):
+        raise TypeError(
+            f"{fname} got split_rngs={split_rngs!r}; expected a mapping rng stream -> bool, e.g. "
+            "{'params': True, 'dropout': True}."
+        )
+    scan_kwargs = {"policy": policy, "offload": offload, "recompute": recompute}
+    return nn.transforms.lift_transform(
+        _lift_transform(carry_only, fname, scan_kwargs),
+        target,
+        variable_axes=variable_axes,
+        variable_broadcast=variable_broadcast,
+        variable_carry=variable_carry,
+        split_rngs=split_rngs,
+        in_axes=in_axes,
+        out_axes=out_axes,
+        length=length,
+        reverse=bool(reverse),
+        unroll=unroll,
+        data_transform=data_transform,
+        metadata_params=metadata_params,
+        check_constancy_invariants=bool(check_constancy_invariants),
+        methods=methods,
+    )
+
+
+def scan(
+    target: Any,
+    variable_axes: Mapping[Any, Any] = FrozenDict(),
+    variable_broadcast: Any = False,
+    variable_carry: Any = False,
+    split_rngs: Mapping[Any, bool] = FrozenDict(),
+    in_axes: Any = 0,
+    out_axes: Any = 0,
+    length: int | None = None,
+    reverse: bool = False,
+    unroll: int = 1,
+    data_transform: Callable[..., Any] | None = None,
+    metadata_params: Mapping[Any, Any] = FrozenDict(),
+    methods: Any = None,
+    _split_transpose: bool = False,
+    check_constancy_invariants: bool = True,
+    *,
+    policy: Callable | str | None = None,
+    offload: str | tuple[str, ...] | None = None,
+    recompute: str = "cheap",
+) -> Any:
+    """``flax.linen.scan`` with :func:`jaxmem.scan` as its loop: same signature, lean VJP.
+
+    A drop-in for ``nn.scan``: the same lifting (``flax.core.lift.pack``), the same variable
+    layout (scanned collections stacked along their ``variable_axes`` axis; broadcast
+    collections computed once outside the loop, with the same data-dependency check; carried
+    collections threaded through the loop) and the same RNG streams (split streams are
+    ``jax.random.split(jax.random.clone(rng), length)``, and the loop body sees the RNG
+    counters ``nn.scan``'s ``lax.scan`` body sees), so variables are interchangeable with the
+    ``nn.scan`` equivalent and dropout masks match. Only the loop differs: :func:`jaxmem.scan`,
+    whose custom VJP stacks just the partial activations.
+
+    ``target`` is a Module class (scanning its ``__call__``, or ``methods``) or a function
+    ``fn(module, carry, *xs) -> (carry, ys)``. For a stack of identical residual layers see
+    :func:`scan_layers`.
+
+    Args:
+      target: a ``flax.linen.Module`` subclass or a function taking a Module first.
+      variable_axes: collection filter -> axis the collection is stacked along.
+      variable_broadcast: collections shared by all iterations (computed once, outside).
+      variable_carry: collections carried through the loop.
+      split_rngs: RNG stream filter -> whether each iteration gets its own key.
+      in_axes: prefix tree over ``xs``; ints scan along that axis,
+        :data:`flax.linen.broadcast` feeds the whole value to every iteration.
+      out_axes: prefix tree over ``ys``; ints stack along that axis, broadcast outputs must be
+        loop invariants (as in ``nn.scan``).
+      length: the number of iterations; inferred from the scanned inputs when None.
+      reverse: scan from end to start.
+      unroll: loop unrolling, passed to :func:`jaxmem.scan`.
+      data_transform: ``(variable_groups, rng_groups) -> (variable_groups, rng_groups)``
+        applied inside the body (inline SPMD annotations), as in ``nn.scan``.
+      metadata_params: passed to ``AxisMetadata`` (e.g. ``nn.Partitioned``) ``add_axis``.
+      methods: the methods to scan when ``target`` is a Module class.
+      _split_transpose: must be False (see Raises).
+      check_constancy_invariants: as in ``nn.scan``: True traces the body once more to compute
+        broadcast variables and broadcast outputs outside the loop; False skips that trace and
+        rejects broadcast outputs.
+      policy: remat policy for each iteration (as in :func:`jaxmem.scan`): a
+        :mod:`jaxmem.policies` policy, one of ``jax.checkpoint_policies``, or a preset name.
+      offload: as in :func:`jaxmem.scan`.
+      recompute: as in :func:`jaxmem.scan`.
+
+    Returns:
+      The scanned Module class, or the scanned function ``(module, carry, *xs) -> (carry,
+      ys)``.
+
+    Raises:
+      NotImplementedError: ``_split_transpose=True``: it splits ``lax.scan``'s own transpose,
+        and jaxmem's loop has a custom VJP; use ``nn.scan``.
+      TypeError: a bad ``policy``, ``unroll``, ``variable_axes`` or ``split_rngs``;
+        forward-mode AD (``jax.jvp``, ``jax.jacfwd``) through the loop
+        (:class:`jaxmem.ForwardModeError`): the custom VJP is reverse-mode only, use
+        ``nn.scan`` there.
+      ValueError: inconsistent scan lengths, no length and nothing scanned, a broadcast
+        variable or output that depends on the loop (as ``nn.scan``), an unknown policy name,
+        bad ``offload``/``recompute``, or stacked variables whose size along their axis is not
+        the scan length.
+
+    Examples:
+      nn.scan's LSTM example, with jaxmem's loop:
+
+      >>> import jax, jax.numpy as jnp
+      >>> import flax.linen as nn
+      >>> from jaxmem.flax import linen as jl
+      >>> class LSTM(nn.Module):
+      ...   features: int
+      ...   @nn.compact
+      ...   def __call__(self, x):
+      ...     ScanLSTM = jl.scan(
+      ...       nn.LSTMCell, variable_broadcast="params",
+      ...       split_rngs={"params": False}, in_axes=1, out_axes=1)
+      ...     lstm = ScanLSTM(self.features)
+      ...     carry = lstm.initialize_carry(jax.random.key(0), x[:, 0].shape)
+      ...     carry, x = lstm(carry, x)
+      ...     return x
+      >>> x = jnp.ones((4, 12, 7))
+      >>> y, variables = LSTM(features=32).init_with_output(jax.random.key(0), x)
+      >>> y.shape
+      (4, 12, 32)
+      >>> g = jax.grad(lambda v: LSTM(32).apply(v, x).sum())(variables)
+
+      The function form, with a remat policy per iteration:
+
+      >>> class Stack(nn.Module):
+      ...   @nn.compact
+      ...   def __call__(self, x):
+      ...     def body(mdl, c, _):
+      ...       return c + jnp.tanh(mdl(c)), None
+      ...     f = jl.scan(body, variable_axes={"params": 0}, split_rngs={"params": True},
+      ...                 length=3, policy="dots")
+      ...     return f(nn.Dense(4), x, None)[0]
+      >>> Stack().init(jax.random.key(0), jnp.ones((2, 4)))["params"]["Dense_0"]["kernel"].shape
+      (3, 4, 4)
+    """
+    return _linen_scan(
+        target,
+        variable_axes=variable_axes,
+        variable_broadcast=variable_broadcast,
+        variable_carry=variable_carry,
+        split_rngs=split_rngs,
+        in_axes=in_axes,
+        out_axes=out_axes,
+        length=length,
+        reverse=reverse,
+        unroll=unroll,
+        data_transform=data_transform,
+        metadata_params=metadata_params,
+        methods=methods,
+        split_transpose=_split_transpose,
+        check_constancy_invariants=check_constancy_invariants,
+        policy=policy,
+        offload=offload,
+        recompute=recompute,
+        carry_only=False,
+        fname="jaxmem.flax.linen.scan",
     )
 
 
@@ -379,35 +697,36 @@ def scan_layers(
     fname = "jaxmem.flax.linen.scan_layers"
     _check_module_class(block_cls, fname)
     length = _check_length(length, fname)
-    policy = _check_scan_options(policy, offload, recompute, unroll, fname)
     if not isinstance(variable_axes, Mapping) or not all(
         isinstance(ax, int) and not isinstance(ax, bool) for ax in variable_axes.values()
     ):
         raise TypeError(
             f"{fname} got variable_axes={variable_axes!r}; expected a mapping collection -> int "
             "layer axis, e.g. {'params': 0, 'batch_stats': 0}. Broadcast (shared) variables are "
-            "not supported: keep them outside the stack."
+            "not supported here: keep them outside the stack, or use jaxmem.flax.linen.scan "
+            "with variable_broadcast=..."
         )
-    if not isinstance(split_rngs, Mapping):
-        raise TypeError(
-            f"{fname} got split_rngs={split_rngs!r}; expected a mapping rng stream -> bool, e.g. "
-            "{'params': True, 'dropout': True}."
-        )
-    scan_kwargs = {"policy": policy, "offload": offload, "recompute": recompute}
-    return nn.transforms.lift_transform(
-        scan,
+    return _linen_scan(
         block_cls,
         variable_axes=dict(variable_axes),
-        split_rngs=dict(split_rngs),
+        variable_broadcast=False,
+        variable_carry=False,
+        split_rngs=split_rngs,
         in_axes=in_axes,
         out_axes=out_axes,
         length=length,
-        reverse=bool(reverse),
+        reverse=reverse,
         unroll=unroll,
+        data_transform=None,
         metadata_params=dict(metadata_params or {}),
+        methods=None,
+        split_transpose=False,
+        check_constancy_invariants=True,
+        policy=policy,
+        offload=offload,
+        recompute=recompute,
         carry_only=bool(carry_only),
         fname=fname,
-        scan_kwargs=scan_kwargs,
     )
 
 

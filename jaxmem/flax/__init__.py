@@ -1,13 +1,14 @@
 """Flax integration: :mod:`jaxmem.flax.linen` and :mod:`jaxmem.flax.nnx`.
 
-Layer stacks scanned by :func:`jaxmem.scan` (``scan_layers``) and remat with jaxmem policies
-(``remat``), for linen and NNX modules. Flax is an optional dependency of jaxmem:
+Drop-ins for ``nn.scan`` and ``nnx.scan`` whose loop is :func:`jaxmem.scan` (``scan``), layer
+stacks built on them (``scan_layers``) and remat with jaxmem policies (``remat``), for linen and
+NNX modules. Flax is an optional dependency of jaxmem:
 ``pip install jaxmem[flax]``.
 
 Examples:
   >>> from jaxmem.flax import linen, nnx
   >>> sorted(linen.__all__), sorted(nnx.__all__)
-  (['remat', 'scan_layers'], ['ScanLayers', 'remat', 'scan_layers'])
+  (['remat', 'scan', 'scan_layers'], ['ScanLayers', 'remat', 'scan', 'scan_layers'])
 """
 
 try:
