@@ -1,11 +1,14 @@
-"""Flax NNX integration: layer stacks run by :func:`jaxmem.scan`, and remat with jaxmem policies.
+"""Flax NNX integration: ``nnx.scan`` run by :func:`jaxmem.scan`, layer stacks, and remat.
+
+:func:`scan` is ``flax.nnx.scan`` with :func:`jaxmem.scan` as its loop: flax's own pipeline
+(in/out axes with ``nnx.Carry``, ``nnx.StateAxes``, the split of graph nodes into carried,
+scanned and broadcast state around the loop, the write-back of updated state,
+``transform_metadata``) runs unchanged, and only the ``jax.lax.scan`` call is replaced.
 
 :class:`ScanLayers` builds ``length`` copies of a block the NNX way (``nnx.split_rngs`` +
 ``nnx.vmap``, so every variable gets a leading layer axis and each layer its own RNG streams)
-and applies them with :func:`jaxmem.scan`: the stack is split (``nnx.split``), each step merges
-one layer's state slice, calls it and returns the layer's updated state (BatchNorm statistics,
-RNG counters) as its output, and the stacked updates are written back with ``nnx.update``, as
-``nnx.scan`` does.
+and applies them with :func:`scan` (``in_axes=(0, nnx.Carry), out_axes=nnx.Carry``), so updated
+layer state (BatchNorm statistics, RNG counters) is written back as ``nnx.scan`` writes it.
 
 Examples:
   >>> import jax.numpy as jnp
@@ -20,14 +23,23 @@ Examples:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import types
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import flax
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from flax.core import FrozenDict
+from flax.nnx.transforms import iteration as _nnx_iteration  # flax-private: see _flax_scan_with
+from flax.typing import Missing
+from jax.tree_util import tree_flatten, tree_flatten_with_path, tree_unflatten
 
+from jaxmem._src import jax_compat as _jc
 from jaxmem._src import scan as _scan
 from jaxmem._src.flax_linen import _check_length, _check_scan_options, _resolve_policy
 
@@ -48,11 +60,320 @@ def _check_stack(layers: Any, length: int, fname: str):
             )
 
 
-class ScanLayers(nnx.Module):
-    """``length`` copies of an NNX block with stacked state, applied by :func:`jaxmem.scan`.
+# ------------------------------------------------------------------------------------------
+# nnx.scan with jaxmem.scan as the loop.
+#
+# The one door to flax's internals (flax 0.12.8 and 0.12.12 have the same scan code): the
+# pipeline of ``flax.nnx.scan`` (its in/out axes checks, the split of graph nodes into carried,
+# scanned and broadcast state, ``StateAxes``, the write-back of updates, ``transform_metadata``)
+# is flax's own, run unchanged: the functions ``scan``, ``_simple_scan`` and
+# ``_graph_updates_scan`` of ``flax.nnx.transforms.iteration`` are rebuilt over a copy of their
+# module's globals in which ``jax.lax.scan`` is :func:`_loop` (nothing of flax is modified).
+# ``_check_flax_scan`` fails at first use, with an actionable message, if a flax release no
+# longer calls ``jax.lax.scan`` from those functions.
 
-    The stacked block lives in ``self.layers`` (its state is that of the ``nnx.vmap``-created
-    stack that ``nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)`` would run). Calling
+_FLAX_SCAN_FUNCTIONS = ("scan", "_simple_scan", "_graph_updates_scan")
+_FORWARD_MODE_MESSAGE = (
+    "jaxmem.flax.nnx.scan supports reverse-mode differentiation only (jax.grad, nnx.grad, "
+    "jax.vjp, jax.jacrev): its memory savings come from jaxmem.scan's custom VJP, and JAX cannot "
+    "apply forward-mode autodiff (jax.jvp, jax.jacfwd, jax.linearize) to a custom VJP. Use "
+    "flax.nnx.scan (same arguments, without policy/offload/recompute) where you need forward mode."
+)
+
+
+class _LaxWithLoop:
+    """``jax.lax`` with ``scan`` replaced (every other attribute is jax.lax's)."""
+
+    def __init__(self, loop):
+        self.scan = loop
+
+    def __getattr__(self, name):
+        return getattr(jax.lax, name)
+
+
+class _JaxWithLoop:
+    """The ``jax`` module as flax's scan code sees it: ``jax.lax.scan`` is jaxmem's loop."""
+
+    def __init__(self, loop):
+        self.lax = _LaxWithLoop(loop)
+
+    def __getattr__(self, name):
+        return getattr(jax, name)
+
+
+def _names_used(code) -> set[str]:
+    """The global and attribute names a code object and its nested functions use."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names_used(const)
+    return names
+
+
+@functools.cache
+def _check_flax_scan():
+    """Raises unless flax's scan code is the code :func:`_flax_scan_with` knows how to rebuild."""
+    for name in _FLAX_SCAN_FUNCTIONS:
+        code = getattr(getattr(_nnx_iteration, name, None), "__code__", None)
+        names = set() if code is None else _names_used(code)
+        needed = set(_FLAX_SCAN_FUNCTIONS[1:]) if name == "scan" else {"jax", "lax", "scan"}
+        if not needed <= names:
+            raise NotImplementedError(
+                f"jaxmem.flax.nnx.scan does not support this flax version "
+                f"({getattr(flax, '__version__', '?')}): flax.nnx.transforms.iteration.{name} "
+                "is not the scan code it rebuilds (tested: flax 0.12.8 to 0.12.12). Use "
+                "flax.nnx.scan."
+            )
+
+
+def _flax_scan_with(loop) -> Callable:
+    """``flax.nnx.scan`` whose loop is ``loop`` (flax's functions over substituted globals)."""
+    _check_flax_scan()
+    glb = dict(_nnx_iteration.__dict__)
+    glb["jax"] = _JaxWithLoop(loop)
+    for name in _FLAX_SCAN_FUNCTIONS:
+        fn = getattr(_nnx_iteration, name)
+        new = types.FunctionType(fn.__code__, glb, fn.__name__, fn.__defaults__, fn.__closure__)
+        new.__kwdefaults__ = fn.__kwdefaults__
+        new.__dict__.update(fn.__dict__)
+        glb[name] = new
+    return glb["scan"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _LoopOptions:
+    """jaxmem's keywords of one :func:`scan`, handed to :func:`jaxmem.scan`."""
+
+    policy: Callable | None
+    offload: Any
+    recompute: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Traced:
+    """One trace of a loop body: its jaxpr (carry leaves then x leaves in, carry then y out)."""
+
+    jaxpr: Any
+    carry_tree: Any
+    y_tree: Any
+    carry_out_avals: tuple
+
+
+# Traces of loop bodies, per body object (flax builds one ScanFn/SimpleScanFn per decorated
+# function) and per input types: as jax.lax.scan caches its body's trace, so a body is traced
+# once, not once per call. Only traces without traced constants (of an outer jit/grad) are kept.
+_TRACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _trace_key(carry_tree, x_tree, carry_avals, x_avals):
+    context = (jax.config.jax_enable_x64, jax.sharding.get_abstract_mesh())
+    return (carry_tree, x_tree, tuple(carry_avals), tuple(x_avals), context)
+
+
+def _trace(f, carry_tree, x_tree, carry_avals, x_avals) -> _Traced:
+    """Traces ``f(carry, x)`` for these input types, or returns the cached trace."""
+    try:
+        cache = _TRACES.setdefault(f, {})
+    except TypeError:  # not weak-referenceable: no cache
+        cache = {}
+    key = _trace_key(carry_tree, x_tree, carry_avals, x_avals)
+    try:
+        hit = cache.get(key)
+    except TypeError:  # an unhashable part of a tree: no cache
+        hit, cache = None, {}
+    if hit is not None:
+        return hit
+    trees = []
+
+    def flat(carry_leaves, x_leaves):
+        out = f(tree_unflatten(carry_tree, carry_leaves), tree_unflatten(x_tree, x_leaves))
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(f"jaxmem.flax.nnx.scan: the loop body returned {out!r}, not a pair.")
+        carry_leaves, carry_tree_out = tree_flatten(out[0])
+        y_leaves, y_tree = tree_flatten(out[1])
+        if carry_tree_out != carry_tree:
+            raise TypeError(
+                "jaxmem.flax.nnx.scan: the loop body changed the carry's tree structure: the "
+                f"input carry is {carry_tree} but the body returned {carry_tree_out}. Return a "
+                "carry with the same structure (same Variables, same pytree nodes)."
+            )
+        trees.append((carry_tree_out, y_tree))
+        return carry_leaves, y_leaves
+
+    structs = [[_jc.struct(a) for a in avals] for avals in (carry_avals, x_avals)]
+    closed, (carry_shapes, _) = jax.make_jaxpr(flat, return_shape=True)(*structs)
+    traced = _Traced(closed, *trees[-1], tuple(jax.typeof(s) for s in carry_shapes))
+    if not any(isinstance(c, _jc.Tracer) for c in _jc.jaxpr_consts(closed)):
+        try:
+            cache[key] = traced
+        except TypeError:
+            pass
+    return traced
+
+
+def _loop(f, init, xs, length=None, reverse=False, unroll=1, _split_transpose=False, *, options):
+    """``jax.lax.scan`` as flax's scan calls it, run by :func:`jaxmem.scan`.
+
+    The body is traced once per input types (and cached as ``lax.scan`` caches it); the traced
+    jaxpr is what :func:`jaxmem.scan` runs. ``_split_transpose`` (a ``lax.scan`` layout option of
+    its transpose) has no counterpart in jaxmem's backward loop and is ignored.
+    """
+    fname = "jaxmem.flax.nnx.scan"
+    carry_leaves, carry_tree = tree_flatten(init)
+    x_leaves, x_tree = tree_flatten(xs)
+    as_array = lambda x: x if isinstance(x, _jc.Tracer) else jnp.asarray(x)
+    carry_leaves = [as_array(x) for x in carry_leaves]
+    x_leaves = [as_array(x) for x in x_leaves]
+    x_paths = [p for p, _ in tree_flatten_with_path(xs)[0]]
+    length = _scan._infer_length(x_paths, x_leaves, length, fname)
+    x_avals = [_jc.unstacked(jax.typeof(x), length) for x in x_leaves]
+    traced = _trace(f, carry_tree, x_tree, [jax.typeof(x) for x in carry_leaves], x_avals)
+    # A weak-typed carry leaf the body changes the dtype of is promoted (as lax.scan does).
+    promoted = [
+        jax.lax.convert_element_type(x, jax.dtypes.result_type(x, out))
+        if jax.typeof(x).weak_type and not _jc.typematch(jax.typeof(x), out)
+        else x
+        for x, out in zip(carry_leaves, traced.carry_out_avals, strict=True)
+    ]
+    if any(p is not x for p, x in zip(promoted, carry_leaves, strict=True)):
+        carry_leaves = promoted
+        traced = _trace(f, carry_tree, x_tree, [jax.typeof(x) for x in carry_leaves], x_avals)
+    run = _jc.jaxpr_as_fun(traced.jaxpr)
+    n_carry = len(carry_leaves)
+
+    def step(carry, x):
+        outs = run(*carry, *x)
+        return list(outs[:n_carry]), list(outs[n_carry:])
+
+    try:
+        final, ys = _scan.scan(
+            step,
+            carry_leaves,
+            x_leaves,
+            length=length,
+            reverse=reverse,
+            unroll=unroll,
+            policy=options.policy,
+            offload=options.offload,
+            recompute=options.recompute,
+        )
+    except _scan.ForwardModeError as e:
+        raise _scan.ForwardModeError(_FORWARD_MODE_MESSAGE) from e
+    return tree_unflatten(traced.carry_tree, final), tree_unflatten(traced.y_tree, ys)
+
+
+def scan(
+    f: Callable | None = None,
+    *,
+    length: int | None = None,
+    reverse: bool = False,
+    unroll: int | bool = 1,
+    _split_transpose: bool = False,
+    in_axes: Any = (nnx.Carry, 0),
+    out_axes: Any = (nnx.Carry, 0),
+    transform_metadata: Mapping[str, Any] = FrozenDict({}),
+    graph: bool | None = None,
+    graph_updates: bool | None = None,
+    policy: Callable | str | None = None,
+    offload: str | tuple[str, ...] | None = None,
+    recompute: str = "cheap",
+) -> Callable:
+    """``flax.nnx.scan`` run by :func:`jaxmem.scan`: same arguments and semantics, lean VJP.
+
+    A drop-in for ``nnx.scan``: function transform (``scan(f, in_axes=...)``) and decorator
+    (``@scan(in_axes=...)``, on functions and on methods in a class body); ``in_axes`` /
+    ``out_axes`` with ``nnx.Carry``, integer axes (moved to the front and back) and ``None``
+    (broadcast); ``nnx.StateAxes`` and ``nnx.prefix`` for module state; ``nnx.split_rngs`` /
+    ``nnx.with_rngs`` around it for per-step RNG streams; ``length``, ``reverse``, ``unroll``;
+    ``transform_metadata`` (``{nnx.PARTITION_NAME: axis}``); ``graph`` / ``graph_updates``.
+    All of this is flax's own code (``flax.nnx.transforms.iteration``); only the loop is
+    :func:`jaxmem.scan`, so the gradient stacks partial activations only, with jaxmem's
+    ``policy``, ``offload`` and ``recompute``. The body is traced once per input types, as
+    under ``nnx.scan``.
+
+    Args:
+      f: the function to scan, or None for a decorator.
+      length: the number of steps (needed when nothing is scanned over).
+      reverse: run from the last step to the first.
+      unroll: loop unrolling (forward and backward loops).
+      _split_transpose: accepted for ``nnx.scan`` compatibility; ignored.
+      in_axes: as ``nnx.scan``: per argument an int (scanned axis), ``None`` (broadcast),
+        ``nnx.Carry`` (the carry), ``nnx.StateAxes`` or a prefix tree of these.
+      out_axes: as ``nnx.scan`` (``nnx.Carry`` and ints; outputs cannot be broadcast).
+      transform_metadata: as ``nnx.scan`` (e.g. ``{nnx.PARTITION_NAME: 'layers'}``).
+      graph: as ``nnx.scan`` (None: the current ``nnx.set_graph_mode``).
+      graph_updates: as ``nnx.scan`` (None: the current ``nnx.set_graph_updates``).
+      policy: remat policy per step: a :mod:`jaxmem.policies` policy, a
+        ``jax.checkpoint_policies`` policy, a preset name (``"dots"``, ...) or None.
+      offload: as in :func:`jaxmem.scan`.
+      recompute: as in :func:`jaxmem.scan` (``"cheap"`` or ``"none"``).
+
+    Returns:
+      The scanned function (or, with ``f=None``, a decorator making one).
+
+    Raises:
+      ValueError: what ``nnx.scan`` raises (a nested or unmatched ``nnx.Carry``, broadcast
+        outputs, a bound method, inconsistent aliasing, carry identity changes), with its
+        messages; an unknown policy name, a bad ``offload``/``recompute``.
+      TypeError: a bad ``policy``, ``unroll``; ``f`` not callable.
+      jaxmem.ForwardModeError: when differentiated in forward mode (``jax.jvp``,
+        ``jax.jacfwd``); use ``flax.nnx.scan`` there.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from jaxmem.flax import nnx as jn
+      >>> @nnx.split_rngs(splits=3)
+      ... @nnx.vmap(in_axes=0, out_axes=0)
+      ... def create(rngs):
+      ...   return nnx.Linear(4, 4, rngs=rngs)
+      >>> layers = create(nnx.Rngs(0))
+      >>> @jn.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry, policy="dots")
+      ... def forward(layer, x):
+      ...   return jnp.tanh(layer(x))
+      >>> x = jnp.ones((2, 4))
+      >>> forward(layers, x).shape
+      (2, 4)
+      >>> stock = nnx.scan(forward.__wrapped__, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+      >>> loss = lambda fwd: lambda m: jnp.sum(fwd(m, x) ** 2)
+      >>> g, g_ref = nnx.grad(loss(forward))(layers), nnx.grad(loss(stock))(layers)
+      >>> bool(jnp.allclose(g.kernel[...], g_ref.kernel[...], rtol=1e-5))
+      True
+    """
+    fname = "jaxmem.flax.nnx.scan"
+    policy = _resolve_policy(policy, fname)
+    _scan._check_offload(offload, fname)
+    _scan._check_recompute(recompute, fname)
+    _scan._check_unroll(unroll, fname)
+    opts = dict(
+        length=length,
+        reverse=reverse,
+        unroll=unroll,
+        _split_transpose=_split_transpose,
+        in_axes=in_axes,
+        out_axes=out_axes,
+        transform_metadata=transform_metadata,
+        graph=graph,
+        graph_updates=graph_updates,
+    )
+    options = _LoopOptions(policy, offload, recompute)
+    if f is None or f is Missing:
+        return functools.partial(_scan_f, options=options, **opts)
+    return _scan_f(f, options=options, **opts)
+
+
+def _scan_f(f, *, options: _LoopOptions, **opts):
+    if not callable(f):
+        raise TypeError(f"jaxmem.flax.nnx.scan expects a function, got {f!r} ({type(f).__name__}).")
+    loop = functools.partial(_loop, options=options)
+    return _flax_scan_with(loop)(f, **opts)
+
+
+class ScanLayers(nnx.Module):
+    """``length`` copies of an NNX block with stacked state, applied by :func:`scan`.
+
+    The stacked block lives in ``self.layers`` (the ``nnx.vmap``-created stack, run as
+    ``scan(lambda layer, x: layer(x), in_axes=(0, nnx.Carry), out_axes=nnx.Carry)``). Calling
     ``stack(x, *args, **kwargs)`` runs ``x = layer(x, *args, **kwargs)`` for each layer, with
     ``args``/``kwargs`` broadcast to every layer (masks, ``deterministic`` flags); the block must
     return the new carry (same shape and dtype). Updated layer state (BatchNorm statistics, RNG
@@ -152,32 +473,22 @@ class ScanLayers(nnx.Module):
         """Runs ``x = layer(x, *args, **kwargs)`` through the layers; returns the final ``x``."""
         fname = "jaxmem.flax.nnx.ScanLayers"
         _check_stack(self.layers, self.length, fname)
-        graphdef, state = nnx.split(self.layers)
-        meta = self.transform_metadata
-        partitioned = nnx.PARTITION_NAME in meta
 
-        def step(carry, layer_state):
-            if partitioned:  # One layer's variables: the layer axis leaves their metadata.
-                layer_state = nnx.spmd.remove_axis(layer_state, 0, meta)
-            layer = nnx.merge(graphdef, layer_state)
-            carry = layer(carry, *args, **kwargs)
-            new_state = nnx.state(layer)
-            if partitioned:
-                new_state = nnx.spmd.add_axis(new_state, 0, meta)
-            return carry, new_state
+        def step(layer, carry):
+            return layer(carry, *args, **kwargs)
 
-        out, new_state = _scan.scan(
+        forward = scan(
             step,
-            x,
-            state,
+            in_axes=(0, nnx.Carry),
+            out_axes=nnx.Carry,
             reverse=self.reverse,
             unroll=self.unroll,
+            transform_metadata=self.transform_metadata,
             policy=self.policy,
             offload=self.offload,
             recompute=self.recompute,
         )
-        nnx.update(self.layers, new_state)
-        return out
+        return forward(self.layers, x)
 
 
 def _check_transform_metadata(meta: Any, fname: str) -> FrozenDict:
