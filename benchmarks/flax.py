@@ -1,9 +1,13 @@
-"""Flax layer stacks: ``jaxmem.flax.linen.scan_layers`` against ``nn.scan`` (and ``nn.remat``).
+"""Flax layer stacks: ``jaxmem.flax.linen.scan_layers`` against ``nn.scan`` (and ``nn.remat``),
+``jaxmem.flax.nnx.ScanLayers`` against ``nnx.scan`` (and ``nnx.remat``).
 
 The reference GPT block (:class:`jaxmem.demo.models.Block`) stacked ``L`` times; compiled temp
 bytes of ``jax.jit(jax.grad(loss))`` with respect to the parameters and the input, for no remat
 and for each policy, next to the ``nn.scan(nn.remat(block, policy))`` equivalent. Only compiled,
-never run (``jax.ShapeDtypeStruct`` arguments). Bytes in MiB (2^20), as every benchmark.
+never run (``jax.ShapeDtypeStruct`` arguments). The NNX rows: a GPT-style NNX block
+(:class:`NNXBlock`, causal attention and a GELU MLP) stacked by ``ScanLayers`` and by
+``nnx.scan`` over the same layers (``nnx.remat(policy=...)`` in each step for the policy rows).
+Bytes in MiB (2^20), as every benchmark.
 
 Usage: ``python -m benchmarks.flax [--json PATH] [--small]``.
 """
@@ -17,11 +21,14 @@ import sys
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
 from benchmarks.harness import format_mib
 from jaxmem import policies
 from jaxmem.demo import models
 from jaxmem.flax import linen as jl
+from jaxmem.flax import nnx as jn
 
 POLICIES = (None, "nothing", "dots", "selective")
 
@@ -65,6 +72,75 @@ def measure(layers: int, batch: int, seq: int, d: int, heads: int, d_ff: int) ->
     return rows
 
 
+class NNXBlock(nnx.Module):
+    """A GPT-style NNX block: pre-LN causal self-attention, then a pre-LN GELU MLP."""
+
+    def __init__(self, d: int, heads: int, d_ff: int, *, rngs: nnx.Rngs):
+        self.ln1 = nnx.LayerNorm(d, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(heads, d, decode=False, rngs=rngs)
+        self.ln2 = nnx.LayerNorm(d, rngs=rngs)
+        self.up = nnx.Linear(d, d_ff, rngs=rngs)
+        self.down = nnx.Linear(d_ff, d, rngs=rngs)
+
+    def __call__(self, h):
+        mask = nnx.make_causal_mask(jnp.ones(h.shape[:2]))
+        h = h + self.attn(self.ln1(h), mask=mask)
+        return h + self.down(jax.nn.gelu(self.up(self.ln2(h))))
+
+
+def _nnx_scan_loss(policy):
+    """``mean(stack(h)**2)`` with the layers run by ``nnx.scan`` (and ``nnx.remat(policy)``)."""
+
+    def loss(layers, h):
+        call = lambda block, h: block(h)
+        if policy is not None:
+            call = nnx.remat(call, policy=policy, prevent_cse=False)
+
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def forward(h, block):
+            return call(block, h)
+
+        return jnp.mean(forward(h, layers) ** 2)
+
+    return loss
+
+
+def nnx_temp_bytes(module, loss, shape) -> int:
+    """Compiled temp bytes of ``jit(grad(loss))`` w.r.t. the module's state and ``h[shape]``."""
+    graphdef, state = nnx.split(module)
+    h = jnp.asarray(np.random.default_rng(0).normal(size=shape), jnp.float32)
+
+    def pure(state, h):
+        return loss(nnx.merge(graphdef, state), h)
+
+    compiled = jax.jit(jax.grad(pure, argnums=(0, 1))).lower(state, h).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def measure_nnx(layers: int, batch: int, seq: int, d: int, heads: int, d_ff: int) -> list[dict]:
+    """One row per policy: temp bytes of ScanLayers and of nnx.scan over the same layers."""
+    rows = []
+    for name in POLICIES:
+        ours = jn.ScanLayers(
+            lambda rngs: NNXBlock(d, heads, d_ff, rngs=rngs), layers, rngs=nnx.Rngs(0), policy=name
+        )
+        policy = None if name is None else policies.by_name(name)
+        shape = (batch, seq, d)
+        o = nnx_temp_bytes(ours, lambda m, h: jnp.mean(m(h) ** 2), shape)
+        s = nnx_temp_bytes(ours.layers, _nnx_scan_loss(policy), shape)
+        rows.append({"policy": name or "no remat", "nnx_scan": s, "ScanLayers": o, "ratio": o / s})
+    return rows
+
+
+def _print_rows(rows: list[dict], stock: str, ours: str) -> None:
+    print(f"{'policy':<12} {stock:>12} {ours:>12} {'ratio':>7}")
+    for r in rows:
+        print(
+            f"{r['policy']:<12} {format_mib(r[stock]):>12} "
+            f"{format_mib(r[ours]):>12} {r['ratio']:>6.2f}x"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Prints the table; ``--json PATH`` writes it."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.flax", description=__doc__)
@@ -77,15 +153,13 @@ def main(argv: list[str] | None = None) -> int:
         f"GPT block stack L={sizes[0]} B={sizes[1]} S={sizes[2]} D={sizes[3]} H={sizes[4]} "
         f"F={sizes[5]}, f32; temp of jit(grad) (jax {jax.__version__}, {jax.default_backend()})"
     )
-    print(f"{'policy':<12} {'nn.scan':>12} {'scan_layers':>12} {'ratio':>7}")
-    for r in rows:
-        print(
-            f"{r['policy']:<12} {format_mib(r['nn_scan']):>12} "
-            f"{format_mib(r['scan_layers']):>12} {r['ratio']:>6.2f}x"
-        )
+    _print_rows(rows, "nn_scan", "scan_layers")
+    nnx_rows = measure_nnx(*sizes)
+    print("NNX GPT-style block stack, same sizes:")
+    _print_rows(nnx_rows, "nnx_scan", "ScanLayers")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"sizes": sizes, "rows": rows}, f, indent=2)
+            json.dump({"sizes": sizes, "rows": rows, "nnx_rows": nnx_rows}, f, indent=2)
     return 0
 
 
