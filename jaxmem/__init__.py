@@ -21,9 +21,12 @@ from jaxmem._src.profile import profile as profile
 from jaxmem._src.residuals import PlannedResidual as PlannedResidual
 from jaxmem._src.residuals import ScanPlan as ScanPlan
 from jaxmem._src.scan import ForwardModeError as ForwardModeError
+from jaxmem._src.scan import StepCounter as StepCounter
 from jaxmem._src.scan import scan as scan
 from jaxmem._src.scan import scan_residuals as scan_residuals
 from jaxmem._src.scan import scanned as scanned
+from jaxmem._src.scan import step_counter as step_counter
+from jaxmem._src.schedule import CheckpointSchedule as CheckpointSchedule
 from jaxmem._src.trainable import merge as merge
 from jaxmem._src.trainable import trainable as trainable
 
@@ -33,6 +36,7 @@ if _TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointSchedule",
     "Comparison",
     "ForwardModeError",
     "MemoryReport",
@@ -41,6 +45,7 @@ __all__ = [
     "ProfileError",
     "Residual",
     "ScanPlan",
+    "StepCounter",
     "compare",
     "flax",
     "losses",
@@ -52,6 +57,7 @@ __all__ = [
     "scan",
     "scan_residuals",
     "scanned",
+    "step_counter",
     "trainable",
 ]
 

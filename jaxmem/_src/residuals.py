@@ -559,7 +559,8 @@ class PlannedResidual:
       shape: shape of the per-step value.
       dtype: numpy dtype name.
       bytes: bytes of the per-step value.
-      kind: one of ``"xs"``, ``"const"``, ``"carry"``, ``"ys"``, ``"recomputed"``, ``"stacked"``.
+      kind: one of ``"xs"``, ``"const"``, ``"carry"``, ``"ys"``, ``"recomputed"``, ``"stacked"``;
+        ``"checkpoint"`` for a carry leaf a checkpointed scan stores (``ScanPlan.stacked``).
       source: ``file:line (function)`` of the operation that produced it, or the input it is.
 
     Examples:
@@ -591,6 +592,9 @@ class ScanPlan:
       stacked_bytes: bytes stacked over the whole scan (``length`` times the per-step ``stacked``).
       stock_stacked_bytes: bytes :func:`jax.lax.scan` stacks for the same step (its loop-stacked
         residuals), or None when not measured.
+      schedule: with ``checkpoints``, the :class:`jaxmem.CheckpointSchedule` (then ``stacked``
+        lists the carry leaves, kind ``"checkpoint"``, and ``stacked_bytes`` is the bytes of the
+        checkpoints: one step's residuals are live at a time); None otherwise.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -608,6 +612,7 @@ class ScanPlan:
     stacked: tuple[PlannedResidual, ...]
     stacked_bytes: int
     stock_stacked_bytes: int | None
+    schedule: Any = None
 
     @property
     def ratio(self) -> float | None:
@@ -628,6 +633,7 @@ class ScanPlan:
             "stacked": [dataclasses.asdict(r) for r in self.stacked],
             "stacked_bytes": self.stacked_bytes,
             "stock_stacked_bytes": self.stock_stacked_bytes,
+            "schedule": None if self.schedule is None else dataclasses.asdict(self.schedule),
             "counts": self.counts(),
         }
 
@@ -637,7 +643,10 @@ class ScanPlan:
 
         lines = [f"scan plan: {self.length} steps, {len(self.residuals)} residuals per step"]
         lines += [row(r) for r in self.residuals]
-        lines.append("kept per step (partial activations, carry sequences, ys read back):")
+        if self.schedule is None:
+            lines.append("kept per step (partial activations, carry sequences, ys read back):")
+        else:
+            lines.append(f"kept per checkpoint ({self.schedule.checkpoints} at most):")
         lines += [row(r) for r in self.stacked] or ["  (nothing)"]
         stock = (
             "not measured"
@@ -645,6 +654,8 @@ class ScanPlan:
             else f"{self.stock_stacked_bytes:,d} B"
         )
         ratio = "" if self.ratio is None else f" ({self.ratio:.2f}x)"
+        if self.schedule is not None:
+            lines.append(str(self.schedule))
         lines.append(f"stacked over the scan: {self.stacked_bytes:,d} B{ratio}; lax.scan: {stock}")
         return "\n".join(lines)
 
@@ -656,8 +667,11 @@ def _var_source(eqn_of, v, role: str) -> str:
     return jc.summarize_source(eqn.source_info)
 
 
-def summarize(plan: StepPlan, length: int, stock_stacked_bytes: int | None) -> ScanPlan:
-    """The public :class:`ScanPlan` of an analysed step."""
+def summarize(
+    plan: StepPlan, length: int, stock_stacked_bytes: int | None, schedule: Any = None
+) -> ScanPlan:
+    """The public :class:`ScanPlan` of an analysed step (of a checkpointed scan with
+    ``schedule``, a :class:`jaxmem.CheckpointSchedule`: its checkpoints are its only stack)."""
     jaxpr = plan.traced.jaxpr
     eqn_of = {v: e for e in jaxpr.eqns for v in e.outvars}
     role = {}
@@ -694,6 +708,16 @@ def summarize(plan: StepPlan, length: int, stock_stacked_bytes: int | None) -> S
             planned(v, "ys") for v, need in zip(plan.y_outvars, plan.need_y, strict=True) if need
         )
     )
+    if schedule is not None:
+        stacked = tuple(planned(v, "checkpoint") for v in plan.carry_invars)
+        return ScanPlan(
+            length=length,
+            residuals=residuals,
+            stacked=stacked,
+            stacked_bytes=schedule.kept_bytes,
+            stock_stacked_bytes=stock_stacked_bytes,
+            schedule=schedule,
+        )
     per_step = sum(r.bytes for r in stacked)
     return ScanPlan(
         length=length,

@@ -34,6 +34,7 @@ from jaxmem._src import checks
 from jaxmem._src import jax_compat as _jc
 from jaxmem._src import listing as _listing
 from jaxmem._src import residuals as _res
+from jaxmem._src import schedule as _schedule
 from jaxmem._src.residuals import ScanPlan
 
 _RECOMPUTE_MODES = ("cheap", "none")
@@ -251,6 +252,64 @@ def _with_zeros(avals, indices, values, length=None, zero=None):
     return out
 
 
+class _Live(NamedTuple):
+    """Indices of the cotangents that can be nonzero: float and live (the others are zero in
+    every step, DESIGN.md section 2, step 5)."""
+
+    consts: list
+    carry: list
+    x: list
+    y: list
+
+
+def _live(traced, avals, ct_final, ct_ys) -> _Live:
+    """Which cotangents of a scan's backward loop can be nonzero, given the loss's.
+
+    ``avals``: (consts, carry, x, y) types of the step. Zero in every step: the ys and final carry
+    leaves the loss ignores (symbolic zeros), carry leaves that reach no output with a nonzero
+    cotangent, and the inputs that reach none. The step's VJP gets symbolic zeros for them, so
+    what only their paths read (the carry sequence of a carry the loss never sees, say) is never
+    read and XLA drops it, as lax.scan's DCE does; the loop neither carries nor emits their
+    cotangents (zeros are returned, made outside the loop).
+    """
+    const_avals, carry_avals, x_avals, y_avals = avals
+    is_zero = lambda ct: isinstance(ct, SymbolicZero)
+    live_carry, live_in = _res.live_cotangents(
+        traced,
+        [_is_float(a) and not is_zero(ct) for a, ct in zip(carry_avals, ct_final, strict=True)],
+        [_is_float(a) and not is_zero(ct) for a, ct in zip(y_avals, ct_ys, strict=True)],
+    )
+    n_in = len(const_avals) + len(carry_avals)
+    return _Live(
+        consts=[i for i, a in enumerate(const_avals) if _is_float(a) and live_in[i]],
+        carry=[i for i, a in enumerate(carry_avals) if _is_float(a) and live_carry[i]],
+        x=[i for i, a in enumerate(x_avals) if _is_float(a) and live_in[n_in + i]],
+        y=[i for i, a in enumerate(y_avals) if _is_float(a) and not is_zero(ct_ys[i])],
+    )
+
+
+def _input_cotangents(avals, live: _Live, values, length: int, spaces):
+    """The custom VJP's result: cotangents of (consts, init, xs), zeros where not live; those of
+    inputs in host memory (``spaces``) put there."""
+    const_avals, carry_avals, x_avals, _ = avals
+    ct_consts, ct_init, ct_xs = values
+    cts = (
+        _with_zeros(const_avals, live.consts, ct_consts),
+        _with_zeros(carry_avals, live.carry, ct_init),
+        _with_zeros(x_avals, live.x, ct_xs, length),
+    )
+    spaces = iter(spaces or [])
+    return tuple(
+        [
+            _to_host(ct)
+            if next(spaces, None) == jax.memory.Space.Host and ct.dtype != jax.dtypes.float0
+            else ct
+            for ct in group
+        ]
+        for group in cts
+    )
+
+
 _OFFLOAD_MODES = ("residuals", "carries", "all")
 
 
@@ -283,6 +342,18 @@ def _check_policy(policy, fname: str):
             "jaxmem.policies policy or one of jax.checkpoint_policies)."
         )
     return policy
+
+
+def _check_checkpoints(checkpoints, offload, length: int, fname: str) -> int | None:
+    """The number of checkpoint slots, or None for the lean VJP (also for an empty scan)."""
+    slots = _schedule.check_checkpoints(checkpoints, length, fname)
+    if slots is not None and offload not in (None, "carries", "all"):
+        raise ValueError(
+            f"{fname} got offload={offload!r} with checkpoints={checkpoints!r}: a checkpointed "
+            "scan stacks no activations (one step's are live at a time), only the checkpointed "
+            "carries; offload them with offload='carries' (or 'all')."
+        )
+    return slots if length > 0 else None
 
 
 def _apply_policy(f, policy, fname: str):
@@ -408,7 +479,11 @@ class _LeanScan:
         return jax.lax.scan(f, init, xs, length=self.length, reverse=reverse, unroll=self.unroll)
 
     def _primal(self, consts, init, xs):
-        return self._scan(lambda c, x: self.body(consts, c, x), init, xs, self.reverse)
+        def step(c, x):
+            _tick(0)
+            return self.body(consts, c, x)
+
+        return self._scan(step, init, xs, self.reverse)
 
     def _fwd(self, consts, init, xs):
         # With symbolic_zeros=True each leaf comes as CustomVJPPrimal(value, perturbed).
@@ -422,6 +497,7 @@ class _LeanScan:
         forward = _jc.jaxpr_as_fun(step_plan.forward)
 
         def step(carry, x):
+            _tick(0)
             outs = forward(*consts, *hoisted, *carry, *x)
             c_out, y, stacked = outs[:n_carry], outs[n_carry : n_carry + n_y], outs[n_carry + n_y :]
             stacked = [_pack(v) if n else v for v, n in zip(stacked, plan.packed, strict=True)]
@@ -481,27 +557,9 @@ class _LeanScan:
         carry_avals = [v.aval for v in step_plan.carry_invars]
         x_avals = [v.aval for v in step_plan.x_invars]
         y_avals = [v.aval for v in step_plan.y_outvars]
-        float_consts = [i for i, a in enumerate(const_avals) if _is_float(a)]
-        float_carry = [i for i, a in enumerate(carry_avals) if _is_float(a)]
-        float_x = [i for i, a in enumerate(x_avals) if _is_float(a)]
-        float_y = [i for i, a in enumerate(y_avals) if _is_float(a)]
-        # Cotangents that are zero in every step (DESIGN.md section 2, step 5): the ys and final
-        # carry leaves the loss ignores (symbolic zeros), carry leaves that reach no output with
-        # a nonzero cotangent, and the inputs that reach none. The step's VJP gets symbolic zeros
-        # for them, so what only their paths read (the carry sequence of a carry the loss never
-        # sees, say) is never read and XLA drops its stack, as lax.scan's DCE does; the loop
-        # neither carries nor emits their cotangents (zeros are returned, made outside the loop).
-        is_zero = lambda ct: isinstance(ct, SymbolicZero)
-        live_carry, live_in = _res.live_cotangents(
-            step_plan.traced,
-            [_is_float(a) and not is_zero(ct) for a, ct in zip(carry_avals, ct_final, strict=True)],
-            [_is_float(a) and not is_zero(ct) for a, ct in zip(y_avals, ct_ys, strict=True)],
-        )
-        n_in = len(const_avals) + len(carry_avals)
-        float_consts = [i for i in float_consts if live_in[i]]
-        float_carry = [i for i in float_carry if live_carry[i]]
-        float_x = [i for i in float_x if live_in[n_in + i]]
-        float_y = [i for i in float_y if not is_zero(ct_ys[i])]
+        avals = (const_avals, carry_avals, x_avals, y_avals)
+        live = _live(step_plan.traced, avals, ct_final, ct_ys)
+        float_consts, float_carry, float_x, float_y = live
         rebuild = _jc.jaxpr_as_fun(step_plan.rebuild)
 
         def step(bcarry, inp):
@@ -544,7 +602,7 @@ class _LeanScan:
             # A live leaf's final cotangent can still be a symbolic zero (the loss ignores the
             # final carry, a y reads the carry).
             [
-                _zeros_ct(carry_avals[i]) if is_zero(ct_final[i]) else ct_final[i]
+                _zeros_ct(carry_avals[i]) if isinstance(ct_final[i], SymbolicZero) else ct_final[i]
                 for i in float_carry
             ],
             [_zeros_ct(const_avals[i]) for i in float_consts],
@@ -559,21 +617,274 @@ class _LeanScan:
             [ct_ys[i] for i in float_y],
         )
         (ct_init_f, ct_consts_f, _), ct_xs_f = self._scan(step, init_b, inputs, not self.reverse)
-        cts = (
-            _with_zeros(const_avals, float_consts, ct_consts_f),
-            _with_zeros(carry_avals, float_carry, ct_init_f),
-            _with_zeros(x_avals, float_x, ct_xs_f, self.length),
+        values = (ct_consts_f, ct_init_f, ct_xs_f)
+        return _input_cotangents(avals, live, values, self.length, self.spaces)
+
+
+# ------------------------------------------------------------------------------------------
+# Counting forward steps at run time.
+
+
+class StepCounter:
+    """Counts the steps :func:`scan` evaluates at run time (see :func:`step_counter`).
+
+    Attributes:
+      forward_steps: evaluations of scan bodies so far, forward sweeps and recomputation
+        included (a step taped for its backward pass counts once; recomputation a remat policy
+        does inside one step's backward pass does not count).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import jaxmem
+      >>> with jaxmem.step_counter() as counter:
+      ...   _ = jax.block_until_ready(
+      ...       jaxmem.scan(lambda c, x: (c + x, None), 0.0, jnp.ones(5)))
+      >>> counter
+      StepCounter(forward_steps=5)
+    """
+
+    def __init__(self):
+        self.forward_steps = 0
+
+    def __repr__(self):
+        return f"StepCounter(forward_steps={self.forward_steps})"
+
+
+_STEP_COUNTERS: list[StepCounter] = []
+
+
+@contextlib.contextmanager
+def step_counter():
+    """Counts, at run time, the forward steps of every :func:`scan` traced inside the block.
+
+    Each evaluation of a scan's step (the forward sweep, each step recomputed from a checkpoint,
+    and each step taped for its backward pass) reports to the counter through a host callback, so
+    the count is what ran, not what was planned. Only scans *traced* inside the block count: a
+    function compiled before (and cached by ``jax.jit``) is not re-traced. Meant for tests and
+    for checking a schedule; the callbacks cost time.
+
+    Yields:
+      A :class:`StepCounter`; read ``forward_steps`` after the results are ready.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import jaxmem
+      >>> loss = lambda w: jaxmem.scan(lambda c, _: (jnp.sin(c * w), None), 1.0, None,
+      ...                              length=10, checkpoints=2)[0]
+      >>> with jaxmem.step_counter() as counter:
+      ...   jax.block_until_ready(jax.grad(loss)(0.5))
+      Array(...)
+      >>> counter.forward_steps == jaxmem.scan_residuals(
+      ...     lambda c, _: (jnp.sin(c * 0.5), None), 1.0, None, length=10,
+      ...     checkpoints=2).schedule.forward_steps
+      True
+    """
+    counter = StepCounter()
+    _STEP_COUNTERS.append(counter)
+    try:
+        yield counter
+    finally:
+        _STEP_COUNTERS.remove(counter)
+
+
+def _tick(index):
+    """Reports one step evaluation to the counters active at trace time (nothing if none)."""
+    if not _STEP_COUNTERS:
+        return
+    counters = tuple(_STEP_COUNTERS)
+
+    def record(_):
+        for counter in counters:
+            counter.forward_steps += 1
+
+    jax.debug.callback(record, index)
+
+
+# ------------------------------------------------------------------------------------------
+# Checkpointed scans: a binomial (Revolve) schedule (schedule.py) run by two loops.
+
+
+def _index(stack, i):
+    return jax.lax.dynamic_index_in_dim(stack, i, keepdims=False)
+
+
+def _put(stack, value, i):
+    return jax.lax.dynamic_update_index_in_dim(stack, value, i, 0)
+
+
+def _store(bufs, carry, slot, write):
+    """Writes ``carry`` into checkpoint ``slot`` where ``write`` (in place, as a select of one
+    slot: the buffers are loop state)."""
+    at = jnp.where(write, slot, 0)
+    return [
+        _put(b, jax.lax.select(write, c, _index(b, at)), at)
+        for b, c in zip(bufs, carry, strict=True)
+    ]
+
+
+def _stack_of(aval, length: int):
+    """An array of ``length`` values of type ``aval`` to fill (zeros; a key array of zero keys)."""
+    if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended):
+        return jnp.zeros((length, *aval.shape), aval.dtype)
+    return _jc.zeros(_jc.stacked(aval, length))
+
+
+class _CheckpointedScan:
+    """The custom VJP of one :func:`scan` with ``checkpoints``: the forward sweep stores at most
+    ``k`` carries where the binomial schedule says; the backward loop restores the nearest one,
+    advances to the step it reverses (storing carries on the way) and applies that step's VJP.
+    One step's activations are live at a time; the checkpoints are the only stack."""
+
+    def __init__(self, body, length, reverse, unroll, slots, offload, fname, spaces=None):
+        self.body = _Body(body.jaxpr, [], body.n_carry, body.carry_tree, body.y_tree)
+        self.n_consts = len(body.consts)
+        self.length = length
+        self.reverse = reverse
+        self.unroll = unroll
+        self.slots = slots
+        self.offload_checkpoints = offload in ("carries", "all")
+        self.fname = fname
+        self.spaces = spaces
+        self.tables = _schedule.revolve(length, slots)
+        invars = _jc.open_jaxpr(body.jaxpr).invars
+        n_c, n_k = self.n_consts, body.n_carry
+        self.const_avals = [v.aval for v in invars[:n_c]]
+        self.carry_avals = [v.aval for v in invars[n_c : n_c + n_k]]
+        self.x_avals = [v.aval for v in invars[n_c + n_k :]]
+        self.y_avals = [v.aval for v in _jc.open_jaxpr(body.jaxpr).outvars[n_k:]]
+        self.run = jax.custom_vjp(self._primal)
+        self.run.defvjp(self._fwd, self._bwd, symbolic_zeros=True)
+
+    @functools.cached_property
+    def traced(self):
+        in_avals = [*self.const_avals, *self.carry_avals, *self.x_avals]
+        return _res.trace_step_vjp(self.body.jaxpr, self.n_consts, self.body.n_carry, in_avals)
+
+    def _x_index(self, p):
+        """The xs index of the step at position ``p`` of the processing order."""
+        return self.length - 1 - p if self.reverse else p
+
+    def _step(self, consts, carry, x):
+        return self.body(consts, carry, x)
+
+    def _primal(self, consts, init, xs):
+        def step(c, x):
+            _tick(0)
+            return self.body(consts, c, x)
+
+        return jax.lax.scan(
+            step, init, xs, length=self.length, reverse=self.reverse, unroll=self.unroll
         )
-        spaces = iter(self.spaces or [])
-        return tuple(
-            [
-                _to_host(ct)
-                if next(spaces, None) == jax.memory.Space.Host and ct.dtype != jax.dtypes.float0
-                else ct
-                for ct in group
-            ]
-            for group in cts
+
+    def _fwd(self, consts, init, xs):
+        consts, init, xs = jax.tree.map(
+            lambda p: p.value, (consts, init, xs), is_leaf=lambda p: isinstance(p, CustomVJPPrimal)
         )
+        length, tables = self.length, self.tables
+        snap_slot, snap_when = jnp.asarray(tables.snap_slot), jnp.asarray(tables.snap_when)
+        # The checkpoint slots, each holding the initial carry (slot 0's for good).
+        bufs = [jnp.broadcast_to(c[None], (self.slots, *c.shape)) for c in init]
+        ys = [_stack_of(a, length) for a in self.y_avals]
+
+        def sweep(state, p):
+            carry, bufs, ys = state
+            j = self._x_index(p)
+            bufs = _store(bufs, carry, snap_slot[p], snap_when[p] == length - 1)
+            _tick(p)
+            carry, y = self.body(consts, carry, [_index(v, j) for v in xs])
+            return (carry, bufs, [_put(s, v, j) for s, v in zip(ys, y, strict=True)]), None
+
+        (carry, bufs, ys), _ = jax.lax.scan(
+            sweep,
+            (list(init), bufs, ys),
+            jnp.arange(length - 1, dtype=jnp.int32),
+            unroll=self.unroll,
+        )
+        # The last step is taped here: its VJP is the first one the backward pass applies.
+        j = self._x_index(length - 1)
+        _tick(length - 1)
+        (final, y), vjp_last = jax.vjp(self._step, list(consts), carry, [_index(v, j) for v in xs])
+        ys = [_put(s, v, j) for s, v in zip(ys, y, strict=True)]
+        if self.offload_checkpoints:
+            bufs = [_to_host(b) for b in bufs]
+        return (final, ys), (list(consts), list(xs), bufs, vjp_last)
+
+    def _bwd(self, saved, cts):
+        consts, xs, bufs, vjp_last = saved
+        if self.offload_checkpoints:
+            bufs = [_to_device(b) for b in bufs]
+        ct_final, ct_ys = cts
+        length, tables = self.length, self.tables
+        const_avals, carry_avals = self.const_avals, self.carry_avals
+        x_avals, y_avals = self.x_avals, self.y_avals
+        avals = (const_avals, carry_avals, x_avals, y_avals)
+        live = _live(self.traced, avals, ct_final, ct_ys)
+        float_consts, float_carry, float_x, float_y = live
+        is_zero = lambda ct: isinstance(ct, SymbolicZero)
+
+        def apply(vjp_fn, ct_carry, p):
+            j = self._x_index(p)
+            d_consts, d_carry, d_x = vjp_fn(
+                (
+                    _with_zeros(carry_avals, float_carry, ct_carry, zero=_jc.zero_cotangent),
+                    _with_zeros(
+                        y_avals,
+                        float_y,
+                        [_index(ct_ys[i], j) for i in float_y],
+                        zero=_jc.zero_cotangent,
+                    ),
+                )
+            )
+            return (
+                [d_consts[i] for i in float_consts],
+                [d_carry[i] for i in float_carry],
+                [d_x[i] for i in float_x],
+            )
+
+        ct_carry = [
+            _zeros_ct(carry_avals[i]) if is_zero(ct_final[i]) else ct_final[i] for i in float_carry
+        ]
+        d_consts, ct_carry, d_x = apply(vjp_last, ct_carry, length - 1)
+        j_last = self._x_index(length - 1)
+        ct_xs = [
+            _put(_zeros_ct(x_avals[i], length), d, j_last)
+            for i, d in zip(float_x, d_x, strict=True)
+        ]
+        restore_slot = jnp.asarray(tables.restore_slot)
+        restore_pos = jnp.asarray(tables.restore_pos)
+        snap_slot, snap_when = jnp.asarray(tables.snap_slot), jnp.asarray(tables.snap_when)
+
+        def back(state, u):
+            ct_carry, acc, ct_xs, bufs = state
+            slot = restore_slot[u]
+            carry = [_index(b, slot) for b in bufs]
+
+            def advance(p, st):
+                carry, bufs = st
+                bufs = _store(bufs, carry, snap_slot[p], snap_when[p] == u)
+                _tick(p)
+                carry, _ = self.body(consts, carry, [_index(v, self._x_index(p)) for v in xs])
+                return carry, bufs
+
+            carry, bufs = jax.lax.fori_loop(restore_pos[u], u, advance, (carry, bufs))
+            _tick(u)
+            _, vjp_fn = jax.vjp(
+                self._step, list(consts), carry, [_index(v, self._x_index(u)) for v in xs]
+            )
+            d_consts, ct_carry, d_x = apply(vjp_fn, ct_carry, u)
+            acc = [a + d for a, d in zip(acc, d_consts, strict=True)]
+            j = self._x_index(u)
+            ct_xs = [_put(s, d, j) for s, d in zip(ct_xs, d_x, strict=True)]
+            return (ct_carry, acc, ct_xs, bufs), None
+
+        (ct_init, ct_consts, ct_xs, _), _ = jax.lax.scan(
+            back,
+            (ct_carry, d_consts, ct_xs, bufs),
+            jnp.arange(length - 1, dtype=jnp.int32),
+            reverse=True,
+            unroll=self.unroll,
+        )
+        return _input_cotangents(avals, live, (ct_consts, ct_init, ct_xs), length, self.spaces)
 
 
 # Active collectors of scan plans (see collect_plans); analysis appends to each.
@@ -620,7 +931,9 @@ def scan_residuals(f: Callable, init: Any, xs: Any = None, length: int | None = 
       init: the initial carry.
       xs: the scanned-over inputs, or None with ``length``.
       length: the number of steps.
-      **kwargs: ``reverse``, ``unroll``, ``recompute`` as in :func:`scan`.
+      **kwargs: ``reverse``, ``unroll``, ``recompute``, ``policy``, ``offload`` and
+        ``checkpoints`` as in :func:`scan`. With ``checkpoints`` the plan's ``schedule`` is the
+        binomial schedule (checkpoints kept, forward steps in all, bytes kept).
 
     Returns:
       A :class:`ScanPlan`: each residual of one step with its shape, dtype, bytes and kind
@@ -641,7 +954,7 @@ def scan_residuals(f: Callable, init: Any, xs: Any = None, length: int | None = 
       >>> plan.stacked_bytes, plan.ratio <= 0.5  # lax.scan also stacks h and tanh's residuals
       (2048, True)
     """
-    unknown = set(kwargs) - {"reverse", "unroll", "recompute", "policy", "offload"}
+    unknown = set(kwargs) - {"reverse", "unroll", "recompute", "policy", "offload", "checkpoints"}
     if unknown:
         raise TypeError(
             f"jaxmem.scan_residuals got unexpected keyword arguments: {sorted(unknown)}."
@@ -668,7 +981,14 @@ def scan_residuals(f: Callable, init: Any, xs: Any = None, length: int | None = 
         lean = _LeanScan(
             body, n, bool(kwargs.get("reverse", False)), unroll, recompute, offload, fname
         )
-        plans.append(lean.summary(lean.plan.step))
+        step = lean.plan.step
+        schedule = None
+        slots = _check_checkpoints(kwargs.get("checkpoints"), offload, n, fname)
+        if slots is not None:
+            carry_bytes = sum(_jc.nbytes(v.aval) for v in step.carry_invars)
+            schedule = _schedule.describe(n, slots, carry_bytes)
+        stock = _stock_stacked_bytes(lean.body, step, n)
+        plans.append(_res.summarize(step, n, stock, schedule))
 
     jax.eval_shape(trace, init, xs)
     return plans[0]
@@ -685,6 +1005,7 @@ def scan(
     recompute: str = "cheap",
     policy: Callable | None = None,
     offload: str | tuple[str, ...] | None = None,
+    checkpoints: int | str | None = None,
 ):
     """Scans ``f`` over the leading axis of ``xs``, like :func:`jax.lax.scan`, with a lean VJP.
 
@@ -713,7 +1034,20 @@ def scan(
         partial activations), ``"carries"`` (the kept carry sequence), ``"all"``, or a tuple of
         checkpoint names (:func:`jaxmem.name`) selecting partial activations. On CPU this is the
         identity (results are bit-identical); on GPU/TPU the lowered loop carries host-placement
-        annotations.
+        annotations. With ``checkpoints``: ``"carries"`` or ``"all"`` keep the checkpoints in
+        host memory between the forward and the backward pass (the other modes raise: nothing
+        else is stacked).
+      checkpoints: bound the memory of a long scan by the number of stored carries, for
+        recomputation: ``None`` (default) stacks the partial activations of every step; an int
+        ``k`` stores at most ``k`` carries (the initial one included; a ``k`` above the length is
+        clamped to it) and reverses the scan with the binomial schedule of Griewank and Walther's
+        Revolve, which evaluates the fewest forward steps for ``k`` stored carries (each step at
+        most ``r + 1`` times, ``r`` the least integer with ``C(k + r, k) >= length``); ``"sqrt"``
+        is ``k = ceil(sqrt(length))``. One step's activations are live at a time (its VJP is
+        applied right after it is recomputed, under ``policy`` if given; ``recompute`` does not
+        apply). :func:`scan_residuals` shows the schedule, :func:`step_counter` counts the steps
+        evaluated. The backward pass's inner loop has a dynamic trip count, so ``unroll``
+        applies to the forward sweep and the loop over steps, not to recomputation.
 
     Returns:
       ``(final_carry, stacked_ys)``, as :func:`jax.lax.scan`.
@@ -722,7 +1056,9 @@ def scan(
       TypeError: ``f`` not callable, a non-array leaf in ``init``/``xs`` (named by its path), a
         carry whose type changes across a step (both types shown), ``f`` not returning a pair.
       ValueError: leading-axis sizes that disagree with each other or with ``length`` (every
-        size and path named), no ``xs`` and no ``length``, a bad ``recompute``.
+        size and path named), no ``xs`` and no ``length``, a bad ``recompute``, ``checkpoints``
+        not positive or a string other than ``"sqrt"`` (a ``TypeError`` for a non-integer),
+        ``checkpoints`` with an ``offload`` other than ``"carries"``/``"all"``.
       ForwardModeError: when differentiated in forward mode (``jax.jvp``, ``jax.jacfwd``); use
         :func:`jax.lax.scan` there. Where the forward-mode transformation is applied to an
         already staged function (``jax.jvp(jax.jit(f))``, or calling the linear function that
@@ -754,9 +1090,13 @@ def scan(
     body, init_leaves, xs_leaves, _, length, unroll, recompute = _prepare(
         f, init, xs, length, unroll, recompute, fname
     )
+    slots = _check_checkpoints(checkpoints, offload, length, fname)
     inputs = (body.consts, init_leaves, xs_leaves)
     spaces = [jax.typeof(v).memory_space for group in inputs for v in group]
-    lean = _LeanScan(body, length, bool(reverse), unroll, recompute, offload, fname, spaces)
+    if slots is None:
+        lean = _LeanScan(body, length, bool(reverse), unroll, recompute, offload, fname, spaces)
+    else:
+        lean = _CheckpointedScan(body, length, bool(reverse), unroll, slots, offload, fname, spaces)
     try:
         final, ys = lean.run(*inputs)
     except TypeError as e:
@@ -791,7 +1131,7 @@ def scanned(fn: Callable | None = None, *, recompute: str = "cheap", **scan_kwar
       Array([0., 1., 3., 6.], dtype=float32)
     """
     _check_recompute(recompute, "jaxmem.scanned")
-    unknown = set(scan_kwargs) - {"length", "reverse", "unroll", "policy", "offload"}
+    unknown = set(scan_kwargs) - {"length", "reverse", "unroll", "policy", "offload", "checkpoints"}
     if unknown:
         raise TypeError(f"jaxmem.scanned got unexpected keyword arguments: {sorted(unknown)}.")
     if fn is None:
