@@ -90,6 +90,16 @@ def _check_scan_options(policy, offload, recompute, unroll, fname: str):
     return policy
 
 
+def _check_checkpoints(checkpoints, offload, length: int | None, fname: str):
+    """Checks ``checkpoints`` (and its ``offload``) before tracing, naming ``fname``.
+
+    ``length`` is the number of steps where known (a stack's), None where it is inferred at call
+    time: a bad value fails the same way for every length, and :func:`jaxmem.scan` resolves
+    ``"sqrt"`` and clamps ``k`` once the length is known.
+    """
+    _scan._check_checkpoints(checkpoints, offload, 1 if length is None else length, fname)
+
+
 # ------------------------------------------------------------------------------------------
 # The lifted scan: flax.core.lift.scan with jaxmem.scan as the loop.
 
@@ -405,6 +415,7 @@ def _linen_scan(
     policy,
     offload,
     recompute,
+    checkpoints,
     carry_only,
     fname,
 ):
@@ -414,6 +425,7 @@ def _linen_scan(
         raise NotImplementedError(_split_transpose_message(fname))
     if length is not None:
         length = _check_length(length, fname)
+    _check_checkpoints(checkpoints, offload, length, fname)
     if not isinstance(variable_axes, Mapping):
         raise TypeError(
             f"{fname} got variable_axes={variable_axes!r}; expected a mapping collection -> "
@@ -424,7 +436,12 @@ def _linen_scan(
             f"{fname} got split_rngs={split_rngs!r}; expected a mapping rng stream -> bool, e.g. "
             "{'params': True, 'dropout': True}."
         )
-    scan_kwargs = {"policy": policy, "offload": offload, "recompute": recompute}
+    scan_kwargs = {
+        "policy": policy,
+        "offload": offload,
+        "recompute": recompute,
+        "checkpoints": checkpoints,
+    }
     return nn.transforms.lift_transform(
         _lift_transform(carry_only, fname, scan_kwargs),
         target,
@@ -464,6 +481,7 @@ def scan(
     policy: Callable | str | None = None,
     offload: str | tuple[str, ...] | None = None,
     recompute: str = "cheap",
+    checkpoints: int | str | None = None,
 ) -> Any:
     """``flax.linen.scan`` with :func:`jaxmem.scan` as its loop: same signature, lean VJP.
 
@@ -505,6 +523,9 @@ def scan(
         :mod:`jaxmem.policies` policy, one of ``jax.checkpoint_policies``, or a preset name.
       offload: as in :func:`jaxmem.scan`.
       recompute: as in :func:`jaxmem.scan`.
+      checkpoints: as in :func:`jaxmem.scan` (binomial checkpointing of the loop: at most
+        ``k`` carries stored, ``"sqrt"`` for ``ceil(sqrt(length))``; None: the lean VJP).
+        Variables, RNG streams and values are ``nn.scan``'s either way.
 
     Returns:
       The scanned Module class, or the scanned function ``(module, carry, *xs) -> (carry,
@@ -519,7 +540,9 @@ def scan(
         ``nn.scan`` there.
       ValueError: inconsistent scan lengths, no length and nothing scanned, a broadcast
         variable or output that depends on the loop (as ``nn.scan``), an unknown policy name,
-        bad ``offload``/``recompute``, or stacked variables whose size along their axis is not
+        bad ``offload``/``recompute``/``checkpoints`` (``checkpoints`` not positive or a string
+        other than ``"sqrt"``, or with an ``offload`` other than ``"carries"``/``"all"``; a
+        ``TypeError`` for a non-int), or stacked variables whose size along their axis is not
         the scan length.
 
     Examples:
@@ -577,6 +600,7 @@ def scan(
         policy=policy,
         offload=offload,
         recompute=recompute,
+        checkpoints=checkpoints,
         carry_only=False,
         fname="jaxmem.flax.linen.scan",
     )
@@ -611,6 +635,7 @@ def scan_layers(
     policy: Callable | str | None = None,
     offload: str | tuple[str, ...] | None = None,
     recompute: str = "cheap",
+    checkpoints: int | str | None = None,
     in_axes: Any = broadcast,
     out_axes: Any = 0,
     variable_axes: Mapping[Any, int] = _DEFAULT_VARIABLE_AXES,
@@ -646,6 +671,8 @@ def scan_layers(
         (``"nothing"``, ``"dots"``, ``"selective"``, ...). None (default): no remat.
       offload: as in :func:`jaxmem.scan` (host offload of stacked residuals).
       recompute: as in :func:`jaxmem.scan` (``"cheap"`` or ``"none"``).
+      checkpoints: as in :func:`jaxmem.scan` (binomial checkpointing of the layer loop: at most
+        ``k`` carries stored, ``"sqrt"`` for ``ceil(sqrt(length))``; None: the lean VJP).
       in_axes: prefix tree over the positional args after the carry; ints scan, and
         :data:`flax.linen.broadcast` broadcasts.
       out_axes: stacking axis of the ``y`` outputs (only with ``carry_only=False``).
@@ -662,8 +689,10 @@ def scan_layers(
 
     Raises:
       TypeError: ``block_cls`` is not a linen Module class (an instance, a bound method, a
-        function), ``length`` not an int, or a bad ``policy``.
-      ValueError: ``length < 1``, an unknown policy name, bad ``offload``/``recompute``, or
+        function), ``length`` not an int, a bad ``policy``, or a non-int ``checkpoints``.
+      ValueError: ``length < 1``, an unknown policy name, bad ``offload``/``recompute``,
+        ``checkpoints`` not positive (or a string other than ``"sqrt"``, or with an ``offload``
+        other than ``"carries"``/``"all"``), or
         (when applied) stacked variables whose size along their variable axis is not
         ``length``.
 
@@ -725,6 +754,7 @@ def scan_layers(
         policy=policy,
         offload=offload,
         recompute=recompute,
+        checkpoints=checkpoints,
         carry_only=bool(carry_only),
         fname=fname,
     )

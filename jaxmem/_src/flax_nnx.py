@@ -41,7 +41,12 @@ from jax.tree_util import tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from jaxmem._src import jax_compat as _jc
 from jaxmem._src import scan as _scan
-from jaxmem._src.flax_linen import _check_length, _check_scan_options, _resolve_policy
+from jaxmem._src.flax_linen import (
+    _check_checkpoints,
+    _check_length,
+    _check_scan_options,
+    _resolve_policy,
+)
 
 
 def _check_stack(layers: Any, length: int, fname: str):
@@ -147,6 +152,7 @@ class _LoopOptions:
     policy: Callable | None
     offload: Any
     recompute: str
+    checkpoints: int | str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,6 +262,7 @@ def _loop(f, init, xs, length=None, reverse=False, unroll=1, _split_transpose=Fa
             policy=options.policy,
             offload=options.offload,
             recompute=options.recompute,
+            checkpoints=options.checkpoints,
         )
     except _scan.ForwardModeError as e:
         raise _scan.ForwardModeError(_FORWARD_MODE_MESSAGE) from e
@@ -277,6 +284,7 @@ def scan(
     policy: Callable | str | None = None,
     offload: str | tuple[str, ...] | None = None,
     recompute: str = "cheap",
+    checkpoints: int | str | None = None,
 ) -> Callable:
     """``flax.nnx.scan`` run by :func:`jaxmem.scan`: same arguments and semantics, lean VJP.
 
@@ -307,6 +315,9 @@ def scan(
         ``jax.checkpoint_policies`` policy, a preset name (``"dots"``, ...) or None.
       offload: as in :func:`jaxmem.scan`.
       recompute: as in :func:`jaxmem.scan` (``"cheap"`` or ``"none"``).
+      checkpoints: as in :func:`jaxmem.scan` (binomial checkpointing of the loop: at most
+        ``k`` carries stored, ``"sqrt"`` for ``ceil(sqrt(length))``; None: the lean VJP).
+        State updates and values are ``nnx.scan``'s either way.
 
     Returns:
       The scanned function (or, with ``f=None``, a decorator making one).
@@ -314,8 +325,10 @@ def scan(
     Raises:
       ValueError: what ``nnx.scan`` raises (a nested or unmatched ``nnx.Carry``, broadcast
         outputs, a bound method, inconsistent aliasing, carry identity changes), with its
-        messages; an unknown policy name, a bad ``offload``/``recompute``.
-      TypeError: a bad ``policy``, ``unroll``; ``f`` not callable.
+        messages; an unknown policy name, a bad ``offload``/``recompute``, ``checkpoints`` not
+        positive or a string other than ``"sqrt"`` (or with an ``offload`` other than
+        ``"carries"``/``"all"``).
+      TypeError: a bad ``policy``, ``unroll``, a non-int ``checkpoints``; ``f`` not callable.
       jaxmem.ForwardModeError: when differentiated in forward mode (``jax.jvp``,
         ``jax.jacfwd``); use ``flax.nnx.scan`` there.
 
@@ -345,6 +358,7 @@ def scan(
     _scan._check_offload(offload, fname)
     _scan._check_recompute(recompute, fname)
     _scan._check_unroll(unroll, fname)
+    _check_checkpoints(checkpoints, offload, None, fname)
     opts = dict(
         length=length,
         reverse=reverse,
@@ -356,7 +370,7 @@ def scan(
         graph=graph,
         graph_updates=graph_updates,
     )
-    options = _LoopOptions(policy, offload, recompute)
+    options = _LoopOptions(policy, offload, recompute, checkpoints)
     if f is None or f is Missing:
         return functools.partial(_scan_f, options=options, **opts)
     return _scan_f(f, options=options, **opts)
@@ -389,6 +403,8 @@ class ScanLayers(nnx.Module):
         or None (no remat).
       offload: as in :func:`jaxmem.scan`.
       recompute: as in :func:`jaxmem.scan` (``"cheap"`` or ``"none"``).
+      checkpoints: as in :func:`jaxmem.scan` (binomial checkpointing of the layer loop: at most
+        ``k`` carries stored, ``"sqrt"`` for ``ceil(sqrt(length))``; None: the lean VJP).
       reverse: run the layers from last to first.
       unroll: loop unrolling, passed to :func:`jaxmem.scan`.
       transform_metadata: as ``nnx.vmap``'s and ``nnx.scan``'s: with
@@ -397,9 +413,11 @@ class ScanLayers(nnx.Module):
         under ``nnx.scan`` (``None``: the layer axis is not sharded).
 
     Raises:
-      TypeError: ``make_block`` not callable or not returning an ``nnx.Module``; a bad policy.
-      ValueError: ``length < 1``; an unknown policy name; (when called) stacked state whose
-        leading axis is not ``length``.
+      TypeError: ``make_block`` not callable or not returning an ``nnx.Module``; a bad policy;
+        a non-int ``checkpoints``.
+      ValueError: ``length < 1``; an unknown policy name; ``checkpoints`` not positive or a
+        string other than ``"sqrt"`` (or with an ``offload`` other than ``"carries"``/``"all"``);
+        (when called) stacked state whose leading axis is not ``length``.
 
     Examples:
       NNX quickstart: a stack of pre-LN MLP blocks with dropout, trained with the ``"dots"``
@@ -438,6 +456,7 @@ class ScanLayers(nnx.Module):
         policy: Callable | str | None = None,
         offload: str | tuple[str, ...] | None = None,
         recompute: str = "cheap",
+        checkpoints: int | str | None = None,
         reverse: bool = False,
         unroll: int = 1,
         transform_metadata: Mapping[str, Any] = FrozenDict({}),
@@ -446,8 +465,10 @@ class ScanLayers(nnx.Module):
         _check_make_block(make_block, fname)
         self.length = _check_length(length, fname)
         self.policy = _check_scan_options(policy, offload, recompute, unroll, fname)
+        _check_checkpoints(checkpoints, offload, self.length, fname)
         self.offload = offload
         self.recompute = recompute
+        self.checkpoints = checkpoints
         self.reverse = bool(reverse)
         self.unroll = unroll
         self.transform_metadata = _check_transform_metadata(transform_metadata, fname)
@@ -487,6 +508,7 @@ class ScanLayers(nnx.Module):
             policy=self.policy,
             offload=self.offload,
             recompute=self.recompute,
+            checkpoints=self.checkpoints,
         )
         return forward(self.layers, x)
 
@@ -521,6 +543,7 @@ def scan_layers(
     policy: Callable | str | None = None,
     offload: str | tuple[str, ...] | None = None,
     recompute: str = "cheap",
+    checkpoints: int | str | None = None,
     reverse: bool = False,
     unroll: int = 1,
     transform_metadata: Mapping[str, Any] = FrozenDict({}),
@@ -536,6 +559,8 @@ def scan_layers(
       policy: remat policy per layer (a policy or preset name), or None.
       offload: as in :func:`jaxmem.scan`.
       recompute: as in :func:`jaxmem.scan`.
+      checkpoints: as in :func:`jaxmem.scan` (binomial checkpointing of the layer loop: at most
+        ``k`` carries stored).
       reverse: run the layers from last to first.
       unroll: loop unrolling.
       transform_metadata: as :class:`ScanLayers` (``{nnx.PARTITION_NAME: axis}`` for sharded
@@ -567,6 +592,7 @@ def scan_layers(
         policy=policy,
         offload=offload,
         recompute=recompute,
+        checkpoints=checkpoints,
         reverse=reverse,
         unroll=unroll,
         transform_metadata=transform_metadata,
