@@ -10,6 +10,10 @@ from typing import TYPE_CHECKING as _TYPE_CHECKING
 from jaxmem import losses as losses
 from jaxmem import offload as offload
 from jaxmem import policies as policies
+from jaxmem._src.buffers import Buffer as Buffer
+from jaxmem._src.buffers import BufferDumpError as BufferDumpError
+from jaxmem._src.buffers import BufferGroup as BufferGroup
+from jaxmem._src.buffers import BufferReport as BufferReport
 from jaxmem._src.names import NAMES as NAMES
 from jaxmem._src.names import name as name
 from jaxmem._src.profile import Comparison as Comparison
@@ -36,6 +40,10 @@ if _TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
+    "Buffer",
+    "BufferDumpError",
+    "BufferGroup",
+    "BufferReport",
     "CheckpointSchedule",
     "Comparison",
     "ForwardModeError",

@@ -28,6 +28,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmem._src import checks
+from jaxmem._src.buffers import (
+    Buffer,
+    BufferDumpError,
+    BufferGroup,
+    BufferReport,
+    compile_with_buffers,
+)
 from jaxmem._src.listing import ORIGINS, SavedResidual, saved_residuals, short_source
 from jaxmem._src.residuals import ScanPlan
 from jaxmem._src.scan import collect_plans
@@ -215,14 +222,23 @@ class MemoryReport:
         host_output_bytes: host-memory output bytes.
         host_alias_bytes: host-memory aliased bytes.
         host_generated_code_bytes: host generated code bytes.
-        peak_bytes: the backend's peak-memory estimate (``peak_memory_in_bytes``), None where the
-            backend does not report one.
+        peak_bytes: the most bytes live at once on a device: the backend's estimate
+            (``peak_memory_in_bytes``) where it counts the temp, else (XLA:CPU reports arguments,
+            outputs and constants only) the peak of the live-range timeline of XLA's buffer
+            assignment (:attr:`timeline`); ``peak_source`` says which. None where neither is
+            known.
         residuals: residuals of the gradient with respect to all arguments, largest first;
             None when the function does not return a scalar.
         scan_plans: for each :func:`jaxmem.scan` the gradient goes through, its
             :class:`jaxmem.ScanPlan` (what it keeps, next to what ``lax.scan`` would stack).
         num_devices: the devices the compiled program runs on (1 unless it is sharded); the
             memory figures are per device.
+        buffers: XLA's buffer assignment of the compiled function, read back
+            (:class:`jaxmem.BufferReport`: every buffer with its live range, kind, HLO
+            instruction, JAX ``op_name`` and source line); None when XLA wrote no dump this
+            version can read (``buffer_error`` says why).
+        buffer_error: why ``buffers`` is None, else None.
+        peak_source: ``"backend"`` or ``"live ranges"``: where ``peak_bytes`` comes from.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -249,6 +265,107 @@ class MemoryReport:
     residuals: tuple[Residual, ...] | None
     scan_plans: tuple[ScanPlan, ...] = ()
     num_devices: int = 1
+    buffers: BufferReport | None = dataclasses.field(default=None, repr=False)
+    buffer_error: str | None = None
+    peak_source: str = "backend"
+
+    def _buffer_report(self) -> BufferReport:
+        if self.buffers is None:
+            raise ProfileError(
+                f"no buffer-level view of {self.name!r}: {self.buffer_error or 'not computed'}"
+            )
+        return self.buffers
+
+    @property
+    def peak_buffers(self) -> tuple[Buffer, ...]:
+        """The buffers live (on a device) at the peak program point, largest first: bytes,
+        shape, dtype, kind (``argument``/``output``/``temp``/``constant``, ``loop_state`` for
+        loop-carried values such as a scan's stacked residuals), HLO instruction, JAX
+        ``op_name`` (``transpose(...)`` marks the backward pass) and ``source`` (``file:line
+        (function)`` of the user's code, where the metadata has it). Their bytes add up to the
+        timeline's peak.
+
+        Raises:
+            ProfileError: no buffer-level view (``buffer_error`` says why).
+
+        Examples:
+            >>> import jax, jax.numpy as jnp
+            >>> import jaxmem
+            >>> def loss(x):
+            ...     big = jnp.outer(x, x)  # kept for the backward pass
+            ...     return jnp.sum(jnp.sin(big))
+            >>> top = jaxmem.profile(jax.grad(loss), jnp.ones(512)).peak_buffers[0]
+            >>> top.bytes, top.shape
+            (1048576, (512, 512))
+        """
+        return self._buffer_report().peak_buffers
+
+    @property
+    def timeline(self) -> tuple[int, ...]:
+        """Live bytes of device memory at each point of the compiled program (XLA's schedule),
+        from XLA's buffer assignment; its maximum is the live-range peak.
+
+        Examples:
+            >>> import jax.numpy as jnp
+            >>> import jaxmem
+            >>> t = jaxmem.profile(lambda x: jnp.sum(jnp.sin(x) * 2), jnp.ones(256)).timeline
+            >>> max(t) >= 1024  # x, 256 floats, is live from the start
+            True
+        """
+        return self._buffer_report().timeline
+
+    def top_contributors(self, n: int = 3, by: str = "source") -> tuple[BufferGroup, ...]:
+        """The largest groups of :attr:`peak_buffers`: by source line (``by="source"``,
+        buffers without one grouped by ``op_name``) or by ``op_name`` prefix (``"op_name"``);
+        forward and backward (``transpose(...)``) buffers of a group apart.
+
+        Args:
+            n: how many groups.
+            by: ``"source"`` or ``"op_name"``.
+
+        Returns:
+            Up to ``n`` :class:`jaxmem.BufferGroup` (``key``, ``bytes``, ``count``,
+            ``backward``), largest first.
+
+        Examples:
+            >>> import jax, jax.numpy as jnp
+            >>> import jaxmem
+            >>> def loss(x):
+            ...     return jnp.sum(jnp.sin(jnp.outer(x, x)))
+            >>> top = jaxmem.profile(jax.grad(loss), jnp.ones(512)).top_contributors(1)[0]
+            >>> top.bytes >= 512 * 512 * 4, top.key.endswith("(loss)")  # outer, sin, cos
+            (True, True)
+        """
+        report = self._buffer_report()
+        if by == "source":
+            groups = report.by_source()
+        elif by == "op_name":
+            groups = report.by_op_name()
+        else:
+            raise ValueError(f"top_contributors: by={by!r}; expected 'source' or 'op_name'")
+        return tuple(sorted(groups, key=lambda g: -g.bytes)[:n])
+
+    def plot_timeline(self, path: str | os.PathLike[str], groups: int = 6):
+        """Save a plot of live device bytes over the compiled program, stacked by the largest
+        groups at the peak (source lines), the peak marked with its top contributors.
+
+        Args:
+            path: where to write the image (format from the suffix, e.g. ``.png``).
+            groups: how many source groups to colour; the rest is "other".
+
+        Returns:
+            ``path``, as given.
+
+        Examples:
+            >>> import tempfile, pathlib
+            >>> import jax, jax.numpy as jnp
+            >>> import jaxmem
+            >>> report = jaxmem.profile(jax.grad(lambda x: jnp.sum(jnp.sin(x))), jnp.ones(64))
+            >>> with tempfile.TemporaryDirectory() as d:
+            ...     print(report.plot_timeline(pathlib.Path(d) / "t.png").read_bytes()[:4])
+            b'\x89PNG'
+        """
+        return _plot_timeline(self, path, groups)
 
     @property
     def per_device_note(self) -> str:
@@ -295,6 +412,26 @@ class MemoryReport:
             totals[r.origin] = totals.get(r.origin, 0) + r.bytes
         return totals
 
+    def peak_summary(self, n: int = 3) -> str:
+        """One line: the peak, where its figure comes from, and its top ``n`` contributors.
+
+        Examples:
+            >>> import jax, jax.numpy as jnp
+            >>> import jaxmem
+            >>> def loss(x):
+            ...     return jnp.sum(jnp.sin(jnp.outer(x, x)))
+            >>> jaxmem.profile(jax.grad(loss), jnp.ones(512)).peak_summary(1)
+            'peak ... MiB (live ranges); ...:... (loss) ... MiB'
+        """
+        peak = "n/a" if self.peak_bytes is None else format_bytes(self.peak_bytes)
+        head = f"peak {peak} ({self.peak_source})"
+        if self.buffers is None:
+            return head
+        tops = "; ".join(
+            f"{_group_label(g)} {format_bytes(g.bytes)}" for g in self.top_contributors(n)
+        )
+        return f"{head}; {tops}"
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-able dict: every field, plus ``residual_bytes`` and ``residual_bytes_by_origin``.
 
@@ -311,6 +448,18 @@ class MemoryReport:
         d["scan_plans"] = [p.to_dict() for p in self.scan_plans]
         d["residual_bytes"] = self.residual_bytes
         d["residual_bytes_by_origin"] = self.residual_bytes_by_origin
+        d["buffers"] = None
+        if self.buffers is not None:
+            d["buffers"] = _jsonable(
+                {
+                    "peak_bytes": self.buffers.peak_bytes,
+                    "peak_index": self.buffers.peak_index,
+                    "host_peak_bytes": self.buffers.host_peak_bytes,
+                    "timeline": list(self.buffers.timeline),
+                    "peak_buffers": [dataclasses.asdict(b) for b in self.buffers.peak_buffers],
+                    "top_contributors": [dataclasses.asdict(g) for g in self.top_contributors(10)],
+                }
+            )
         return d
 
     def to_json(self, **json_kw: Any) -> str:
@@ -373,7 +522,28 @@ class MemoryReport:
             parts.append("Residual totals by origin:")
             parts.append(_text_table(["origin", "bytes", "size"], self._totals_rows(), {1, 2}))
         parts += [f"jaxmem.scan #{i}: {plan}" for i, plan in enumerate(self.scan_plans)]
+        parts += self._peak_lines()
         return "\n".join(parts)
+
+    def _peak_lines(self, top: int = 8) -> list[str]:
+        if self.buffers is None:
+            return [f"Live at the peak: n/a ({self.buffer_error})"]
+        b = self.buffers
+        lines = [
+            f"Live at the peak: {format_bytes(b.peak_bytes)} at program point {b.peak_index} of "
+            f"{len(b.program)} ({b.peak_instruction}); by source line:"
+        ]
+        for g in self.top_contributors(top):
+            lines.append(f"  {format_bytes(g.bytes):>11}  {_group_label(g)}")
+        lines.append("largest buffers:")
+        for buf in b.peak_buffers[:top]:
+            kind = buf.kind + (" (loop state)" if buf.loop_state else "")
+            where = short_source(buf.source) if buf.source else (buf.op_name or buf.instruction)
+            shape = f"{buf.dtype}{list(buf.shape)}"
+            lines.append(f"  {format_bytes(buf.bytes):>11}  {shape:<22} {kind:<20} {where}")
+        if b.host_peak_bytes:
+            lines.append(f"host memory (offloaded values): peak {format_bytes(b.host_peak_bytes)}")
+        return lines
 
     def to_markdown(self) -> str:
         """The same tables as ``str(report)``, in Markdown.
@@ -597,8 +767,13 @@ class Comparison:
         return f"Comparison (ratios against {self.baseline!r}{note})"
 
     def __str__(self) -> str:
-        """One row per label; each figure with its ratio to the baseline."""
-        return f"{self._title()}:\n" + _text_table(self._header(), self._rows(), set(range(1, 6)))
+        """One row per label, each figure with its ratio to the baseline; then each label's
+        peak and its top three contributors (source lines, backward marked)."""
+        lines = [f"{self._title()}:", _text_table(self._header(), self._rows(), set(range(1, 6)))]
+        lines.append("Peak and its top three contributors:")
+        for label, rep in self.reports.items():
+            lines.append(f"  {label}: {rep.peak_summary()}")
+        return "\n".join(lines)
 
     def to_markdown(self) -> str:
         """The ``str(comparison)`` table, in Markdown.
@@ -815,9 +990,12 @@ def _profile(
 
     try:
         lowered = (fn if jitted else jax.jit(fn)).lower(*args, **kwargs)
-        compiled = lowered.compile()
+        compiled, buffers = compile_with_buffers(lowered)
     except Exception as e:
         raise fail("trace or compile", e) from e
+    buffer_error = None
+    if isinstance(buffers, BufferDumpError):
+        buffer_error, buffers = str(buffers), None
     stats = compiled.memory_analysis()
     if stats is None:
         raise ProfileError(
@@ -844,6 +1022,11 @@ def _profile(
         items = [_residual(r) for r in listing]
         residuals = tuple(sorted(items, key=lambda r: -r.bytes))
 
+    # The backend's peak, unless it is missing or below what the live ranges show (XLA:CPU's
+    # counts arguments, outputs and constants only).
+    peak_source = "backend"
+    if buffers is not None and (peak is None or int(peak) < buffers.peak_bytes):
+        peak, peak_source = buffers.peak_bytes, "live ranges"
     return MemoryReport(
         name=name,
         **figures,
@@ -851,6 +1034,9 @@ def _profile(
         residuals=residuals,
         scan_plans=tuple(plans) if residuals is not None else (),
         num_devices=_num_devices(compiled),
+        buffers=buffers,
+        buffer_error=buffer_error,
+        peak_source=peak_source,
     )
 
 
@@ -861,3 +1047,58 @@ def _num_devices(compiled: Any) -> int:
     for s in shardings:
         devices |= set(getattr(s, "device_set", ()))
     return max(len(devices), 1)
+
+
+# --------------------------------------------------------------------------------------------
+# The buffer-level view: labels and the timeline plot
+
+
+def _jsonable(x: Any) -> Any:
+    """``x`` as JSON reads it back (tuples as lists)."""
+    return json.loads(json.dumps(x))
+
+
+def _group_label(g: BufferGroup) -> str:
+    key = short_source(g.key) if ":" in g.key and "(" in g.key else g.key
+    return f"{key}{' (backward)' if g.backward else ''}"
+
+
+def _plot_timeline(report: MemoryReport, path: Any, n_groups: int) -> Any:
+    b = report._buffer_report()
+    top = [g for g in sorted(b.by_source(), key=lambda g: -g.bytes)[:n_groups]]
+    group_of = {}
+    for i, g in enumerate(top):
+        for name in g.names:
+            group_of[name] = i
+    points = len(b.timeline)
+    layers = np.zeros((len(top) + 1, points))
+    for buf in b.buffers:
+        if buf.start is None or buf.memory_space != 0:
+            continue
+        i = group_of.get(buf.name, len(top))
+        layers[i, max(buf.start, 0) : min(buf.end, points - 1) + 1] += buf.bytes
+    # The layers count every value; scale each point to the timeline (aliased values once).
+    totals = layers.sum(axis=0)
+    scale_pts = np.divide(np.asarray(b.timeline), totals, out=np.ones(points), where=totals > 0)
+    layers *= scale_pts
+    scale, unit = _unit_for(max(b.timeline))
+    fig = _new_figure(figsize=(9, 4.5))
+    ax = fig.add_subplot()
+    labels = [_group_label(g) for g in top] + ["other"]
+    ax.stackplot(np.arange(points), layers / scale, labels=labels, alpha=0.85)
+    ax.axvline(b.peak_index, color="black", linestyle="--", linewidth=1)
+    ax.annotate(
+        f"peak {format_bytes(b.peak_bytes)}",
+        (b.peak_index, b.peak_bytes / scale),
+        xytext=(5, 5),
+        textcoords="offset points",
+        fontsize=9,
+    )
+    ax.set_xlabel("program point (XLA's schedule)")
+    ax.set_ylabel(unit)
+    note = f", {report.per_device_note}" if report.per_device_note else ""
+    ax.set_title(f"live memory of {report.name}{note}")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
