@@ -1,10 +1,16 @@
-"""Command line of jaxmem: ``python -m jaxmem demo [options]``.
+"""Command line of jaxmem: ``python -m jaxmem {demo,profile} [options]``.
 
 Subcommands:
-  demo  Memory of a small GPT's training-step gradient under remat and scan configurations:
-        prints a comparison table and saves a bar chart (``python -m jaxmem demo --help``).
-        The demo is :mod:`jaxmem.demo` (demo code, not library API; also
-        ``python -m jaxmem.demo``).
+  demo     Memory of a small GPT's training-step gradient under remat and scan configurations:
+           prints a comparison table and saves a bar chart (``python -m jaxmem demo --help``).
+           The demo is :mod:`jaxmem.demo` (demo code, not library API; also
+           ``python -m jaxmem.demo``).
+  profile  Memory of your own function: ``python -m jaxmem profile mymodel:make_step``, where
+           ``make_step()`` takes no arguments and returns ``(fn, args)`` or
+           ``(fn, args, kwargs)``; prints :func:`jaxmem.profile`'s report and the largest
+           buffers live at the peak, and writes ``make_step_memory.png`` and
+           ``make_step_timeline.png`` (``python -m jaxmem profile --help``). TARGET may also be
+           ``path/to/file.py:function``. A bad TARGET is one line on stderr, exit status 2.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from collections.abc import Sequence
 
 def build_parser() -> argparse.ArgumentParser:
     """Returns the parser of ``python -m jaxmem``."""
+    from jaxmem._src import cli_profile
     from jaxmem.demo import cli as demo  # demo code, imported only when the command line runs
 
     parser = argparse.ArgumentParser(
@@ -30,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=demo.DESCRIPTION,
     )
     demo.add_arguments(demo_parser)
-    demo_parser.set_defaults(run=demo.run)
+    demo_parser.set_defaults(run=demo.run, check=demo.check_args)
+    cli_profile.add_parser(sub)
     return parser
 
 
@@ -38,13 +46,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs ``python -m jaxmem`` with ``argv`` (default ``sys.argv[1:]``); returns the status."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        from jaxmem.demo import cli as demo
-
-        try:
-            demo.check_args(args)
-        except ValueError as e:
-            parser.error(str(e))
+    try:
+        args.check(args)
+    except ValueError as e:
+        parser.error(str(e))
     return args.run(args)
 
 
