@@ -1087,11 +1087,13 @@ def _plot_timeline(report: MemoryReport, path: Any, n_groups: int) -> Any:
     labels = [_group_label(g) for g in top] + ["other"]
     ax.stackplot(np.arange(points), layers / scale, labels=labels, alpha=0.85)
     ax.axvline(b.peak_index, color="black", linestyle="--", linewidth=1)
+    late = b.peak_index > 0.7 * points  # label on the left of a late peak, inside the axes
     ax.annotate(
         f"peak {format_bytes(b.peak_bytes)}",
         (b.peak_index, b.peak_bytes / scale),
-        xytext=(5, 5),
+        xytext=(-5 if late else 5, 5),
         textcoords="offset points",
+        ha="right" if late else "left",
         fontsize=9,
     )
     ax.set_xlabel("program point (XLA's schedule)")
