@@ -2,6 +2,7 @@
 
 import functools
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -13,7 +14,7 @@ import pytest
 import jaxmem
 from jaxmem import __main__ as cli
 from jaxmem.demo import cli as demo
-from jaxmem.demo import models
+from jaxmem.demo import models, plots
 
 TINY = ["--layers", "2", "--d-model", "32", "--heads", "2", "--d-ff", "64", "--vocab", "128"]
 TINY += ["--seq", "16", "--batch", "2"]
@@ -25,9 +26,49 @@ def test_demo_prints_every_configuration_and_writes_a_png(tmp_path, capsys):
     printed = capsys.readouterr().out
     for label in demo.configurations():
         assert label in printed
+        # After the table: each configuration's peak and its top contributors (source lines).
+        (peak,) = [line for line in printed.splitlines() if line.startswith(f"  {label}: peak ")]
+        assert "(live ranges)" in peak or "(backend)" in peak
+        assert re.search(r"\w+\.py:\d+ \(\S+\)", peak), peak  # file:line (function)
     assert "temp" in printed and "residual" in printed
-    data = out.read_bytes()
-    assert data.startswith(b"\x89PNG") and len(data) > 1000
+    assert "(backward)" in printed  # the loss's backward pass holds part of some peak
+    assert "step time" not in printed  # only with --time
+    width, height = _png_size(out)
+    n = len(demo.configurations())
+    assert (width, height) == tuple(round(100 * s) for s in plots.figure_size(n, timed=False))
+    assert width <= 1800 and height <= 100 * (2 + 0.45 * n)
+
+
+def test_demo_time_adds_step_times_and_a_second_panel(tmp_path, capsys, monkeypatch):
+    # Two configurations keep the timed run (compiled with full optimization) quick.
+    configs = dict(list(demo.configurations().items())[:2])
+    monkeypatch.setattr(demo, "configurations", lambda: configs)
+    monkeypatch.setattr(demo, "TIME_REPEATS", 2)
+    out = tmp_path / "timed.png"
+    assert demo.main([*TINY, "--time", "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "step time (median of" in printed
+    lines = printed.splitlines()
+    for label in configs:
+        assert any(line.startswith(f"  {label}: ") and " ms (x" in line for line in lines)
+    width, height = _png_size(out)
+    assert (width, height) == tuple(round(100 * s) for s in plots.figure_size(2, timed=True))
+    assert width <= 1800
+
+
+def test_demo_figure_splits_temp_into_saved_residuals_and_other_temp():
+    w, x = jax.ShapeDtypeStruct((3, 4), jnp.float32), jax.ShapeDtypeStruct((2, 3), jnp.float32)
+    report = jaxmem.profile(lambda w, x: jnp.sum(jnp.sin(x @ w)), w, x)
+    # The gradient saves w and x (arguments, alive anyway: not counted) and cos(x @ w).
+    assert report.residual_bytes_by_origin["argument"] == 4 * (12 + 6)
+    assert plots.saved_residual_bytes(report) == 4 * 8
+
+
+def _png_size(path: pathlib.Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 1000
+    # IHDR, the first chunk: width and height, big-endian, at bytes 16-24.
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
 
 
 def test_python_m_jaxmem_demo_has_the_same_command_line(capsys):
@@ -40,7 +81,7 @@ def test_python_m_jaxmem_demo_has_the_same_command_line(capsys):
         timeout=300,
     )
     assert "python -m jaxmem.demo" in result.stdout
-    for option in ("--layers", "--d-model", "--heads", "--batch", "--output"):
+    for option in ("--layers", "--d-model", "--heads", "--batch", "--output", "--time"):
         assert option in result.stdout
     with pytest.raises(SystemExit) as exit_info:
         demo.main(["--d-model", "32", "--heads", "3"])

@@ -16,6 +16,7 @@ upcast bf16 loop buffers to f32, so compare like with like.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -973,6 +974,21 @@ def compare(fns: Mapping[str, Callable[..., Any]], *args: Any, **kwargs: Any) ->
     return Comparison(reports)
 
 
+# Whether profile reads XLA's buffer assignment (off only inside ``_without_buffer_view``).
+_BUFFER_VIEW = [True]
+
+
+@contextlib.contextmanager
+def _without_buffer_view():
+    """Profiles made inside skip the buffer-level view (for callers that only want the
+    residual listing: the compile then writes no dump)."""
+    _BUFFER_VIEW.append(False)
+    try:
+        yield
+    finally:
+        _BUFFER_VIEW.pop()
+
+
 def _check_args(args: tuple[Any, ...], kwargs: dict[str, Any], caller: str) -> None:
     checks.check_traceable(args, "args", caller)
     checks.check_traceable(kwargs, "kwargs", caller)
@@ -990,7 +1006,10 @@ def _profile(
 
     try:
         lowered = (fn if jitted else jax.jit(fn)).lower(*args, **kwargs)
-        compiled, buffers = compile_with_buffers(lowered)
+        if _BUFFER_VIEW[-1]:
+            compiled, buffers = compile_with_buffers(lowered)
+        else:
+            compiled, buffers = lowered.compile(), BufferDumpError("buffer view not asked for")
     except Exception as e:
         raise fail("trace or compile", e) from e
     buffer_error = None
@@ -1065,22 +1084,26 @@ def _group_label(g: BufferGroup) -> str:
 
 def _plot_timeline(report: MemoryReport, path: Any, n_groups: int) -> Any:
     b = report._buffer_report()
-    top = [g for g in sorted(b.by_source(), key=lambda g: -g.bytes)[:n_groups]]
-    group_of = {}
-    for i, g in enumerate(top):
-        for name in g.names:
-            group_of[name] = i
+    top = sorted(b.by_source(), key=lambda g: -g.bytes)[:n_groups]
+    # Colour memory, not values: each (allocation, offset) slice of the device takes the group
+    # of the buffer holding it at the peak, over its whole life (a scan's stack is filled by the
+    # forward loop and read by the backward one through different values), and is counted once
+    # per point at its largest live value, as the timeline counts it.
+    held = {b_.name: i for i, g in enumerate(top) for b_ in b.peak_buffers if b_.name in g.names}
+    group_of_slice = {
+        (buf.allocation, buf.offset): held[buf.name] for buf in b.peak_buffers if buf.name in held
+    }
     points = len(b.timeline)
-    layers = np.zeros((len(top) + 1, points))
+    slices: dict[tuple[int, int], np.ndarray] = {}
     for buf in b.buffers:
         if buf.start is None or buf.memory_space != 0:
             continue
-        i = group_of.get(buf.name, len(top))
-        layers[i, max(buf.start, 0) : min(buf.end, points - 1) + 1] += buf.bytes
-    # The layers count every value; scale each point to the timeline (aliased values once).
-    totals = layers.sum(axis=0)
-    scale_pts = np.divide(np.asarray(b.timeline), totals, out=np.ones(points), where=totals > 0)
-    layers *= scale_pts
+        live = slices.setdefault((buf.allocation, buf.offset), np.zeros(points))
+        span = slice(max(buf.start, 0), min(buf.end, points - 1) + 1)
+        live[span] = np.maximum(live[span], buf.bytes)
+    layers = np.zeros((len(top) + 1, points))
+    for key, live in slices.items():
+        layers[group_of_slice.get(key, len(top))] += live
     scale, unit = _unit_for(max(b.timeline))
     fig = _new_figure(figsize=(9, 4.5))
     ax = fig.add_subplot()

@@ -9,7 +9,11 @@ The same small GPT (:mod:`jaxmem.demo.models`) is differentiated with its layer 
 configuration the demo compiles ``jax.jit(jax.grad(loss))`` and lists the residuals the gradient
 saves (both from shapes alone: parameters and tokens are ``jax.ShapeDtypeStruct``), prints one
 table with ratios to the first configuration (sizes in binary units, as
-:func:`jaxmem.profile` prints them), and saves a bar chart.
+:func:`jaxmem.profile` prints them), then each configuration's peak and the three source lines
+that hold the most of it (from XLA's buffer assignment), and saves a figure
+(:mod:`jaxmem.demo.plots`): temp per configuration split into saved residuals and other temp.
+With ``--time`` it also runs each configuration's gradient (same process, interleaved, median of
+:data:`TIME_REPEATS`) and adds memory against step time.
 """
 
 from __future__ import annotations
@@ -18,14 +22,18 @@ import argparse
 import dataclasses
 import functools
 import math
+import statistics
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import jaxmem
-from jaxmem.demo import models
+from jaxmem._src import profile as _profile
+from jaxmem.demo import models, plots
 
 DEFAULT_OUTPUT = "demo_memory.png"
 
@@ -34,9 +42,14 @@ DESCRIPTION = (
     "its layer stack run by jax.lax.scan with no remat, with jax.checkpoint under the "
     "nothing_saveable and dots_saveable policies, and by jaxmem.scan where available. Prints "
     "the compiled temp bytes of jax.jit(jax.grad(loss)) and the bytes of the residuals the "
-    "gradient saves, with ratios to the first configuration, and saves a bar chart. Everything "
-    "is compiled from shapes alone (nothing is run)."
+    "gradient saves, with ratios to the first configuration, then each configuration's peak and "
+    "its top three contributors by source line, and saves a figure (temp per configuration, "
+    "split into saved residuals and other temp). Everything is compiled from shapes alone "
+    "(nothing is run) unless --time is given."
 )
+
+TIME_REPEATS = 5
+"""Timed runs per configuration with ``--time`` (the median is reported)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +133,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--output",
         default=DEFAULT_OUTPUT,
         metavar="PATH",
-        help=f"where to save the bar chart (default: {DEFAULT_OUTPUT})",
+        help=f"where to save the figure (default: {DEFAULT_OUTPUT})",
+    )
+    parser.add_argument(
+        "--time",
+        action="store_true",
+        help=(
+            "also run each configuration's gradient on random data and report its step time "
+            f"(same process, runs interleaved, median of {TIME_REPEATS}; compiled with full "
+            "optimization), adding memory against step time to the figure"
+        ),
     )
     parser.add_argument(
         "--full-optimization",
@@ -159,6 +181,12 @@ def check_args(args: argparse.Namespace) -> None:
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
+def _loss(config: models.GPTConfig, c: Configuration) -> Any:
+    """``loss(params, tokens)`` of the GPT of ``config`` run as ``c`` says."""
+    make = models.linear_ce_next_token_loss if c.linear_ce else models.next_token_loss
+    return make(models.GPT(config, c.scan_impl, c.policy))
+
+
 def measure(
     config: models.GPTConfig,
     batch_size: int,
@@ -182,14 +210,10 @@ def measure(
     params = models.abstract_params(config, batch_size)
     tokens = jax.ShapeDtypeStruct((batch_size, config.seq_len), jnp.int32)
     jit = functools.partial(jax.jit, compiler_options=FAST_COMPILE if fast_compile else None)
-    losses = {
-        label: (models.linear_ce_next_token_loss if c.linear_ce else models.next_token_loss)(
-            models.GPT(config, c.scan_impl, c.policy)
-        )
-        for label, c in configs.items()
-    }
+    losses = {label: _loss(config, c) for label, c in configs.items()}
     grads = jaxmem.compare({k: jit(jax.grad(f)) for k, f in losses.items()}, params, tokens)
-    residuals = jaxmem.compare({k: jit(f) for k, f in losses.items()}, params, tokens)
+    with _profile._without_buffer_view():  # only the residual listing is read from these
+        residuals = jaxmem.compare({k: jit(f) for k, f in losses.items()}, params, tokens)
     return jaxmem.Comparison(
         {
             label: dataclasses.replace(report, residuals=residuals.reports[label].residuals)
@@ -212,8 +236,44 @@ def _summary(comparison: jaxmem.Comparison) -> str:
     return "\n".join(lines)
 
 
+def _random_inputs(config: models.GPTConfig, batch_size: int) -> tuple[Any, jax.Array]:
+    # numpy, not Flax's init: initialising with jax would compile more than the timed steps.
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(
+        lambda p: jnp.asarray(0.02 * rng.standard_normal(p.shape), p.dtype),
+        models.abstract_params(config, batch_size),
+    )
+    tokens = jnp.asarray(rng.integers(0, config.vocab_size, (batch_size, config.seq_len)))
+    return params, tokens.astype(jnp.int32)
+
+
+def time_steps(
+    config: models.GPTConfig,
+    batch_size: int,
+    configs: dict[str, Configuration],
+    repeats: int = TIME_REPEATS,
+) -> dict[str, float]:
+    """Median step time in seconds of each configuration's ``jax.jit(jax.grad(loss))``.
+
+    Same process and inputs (random parameters and tokens); each gradient is compiled with full
+    optimization and run once to warm up, then the timed runs are interleaved (A B C A B C ...),
+    each waited for with :func:`jax.block_until_ready`.
+    """
+    params, tokens = _random_inputs(config, batch_size)
+    steps = {label: jax.jit(jax.grad(_loss(config, c))) for label, c in configs.items()}
+    for step in steps.values():
+        jax.block_until_ready(step(params, tokens))
+    samples: dict[str, list[float]] = {label: [] for label in steps}
+    for _ in range(repeats):
+        for label, step in steps.items():
+            start = time.perf_counter()
+            jax.block_until_ready(step(params, tokens))
+            samples[label].append(time.perf_counter() - start)
+    return {label: statistics.median(s) for label, s in samples.items()}
+
+
 def run(args: argparse.Namespace) -> int:
-    """Runs the demo for parsed options; prints the table, saves the chart, returns 0."""
+    """Runs the demo for parsed options; prints the tables, saves the figure, returns 0."""
     start = time.perf_counter()
     config = config_from_args(args)
     configs = configurations()
@@ -241,7 +301,14 @@ def run(args: argparse.Namespace) -> int:
     print(comparison)
     if len(comparison.reports) > 1:
         print(_summary(comparison))
-    path = comparison.plot(args.output)
+    times = None
+    if args.time:
+        times = time_steps(config, args.batch, configs, TIME_REPEATS)
+        base = times[comparison.baseline]
+        print(f"\nstep time (median of {TIME_REPEATS}, interleaved, same process):")
+        for label, t in times.items():
+            print(f"  {label}: {t * 1e3:.1f} ms (x{t / base:.2f})")
+    path = plots.plot(comparison, args.output, times)
     print(f"\nwrote {path} ({time.perf_counter() - start:.1f} s)")
     return 0
 
