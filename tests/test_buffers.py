@@ -332,3 +332,24 @@ def test_timeline_counts_shared_slices_once():
     assert _timeline(bs, 5) == (64, 64, 96, 64, 0)
     assert [b.name for b in _holders(bs, 2)] == ["a_alias", "b"]
     assert np.sum([b.bytes for b in _holders(bs, 2)]) == 96
+
+
+def test_host_memory_is_counted_apart(tmp_path):
+    """An offloaded value (memory space 5, ``pinned_host`` on GPU/TPU; XLA:CPU colours
+    everything 0, so the dump is recoloured here) leaves the device timeline and counts in
+    ``host_peak_bytes``."""
+
+    dump(tmp_path, jax.grad(outer_loss), *OUTER_ARGS)
+    device = read_dump(str(tmp_path))
+    (assignment,) = tmp_path.glob("*-buffer-assignment.txt")
+    big = device.peak_buffers[0]
+    assert big.bytes == BIG_BYTES
+    text = assignment.read_text()
+    tag = re.search(rf"<(\d+) {re.escape(big.name.split('{')[0])}(\{{[\d,]*\}})? @0>", text)
+    assignment.write_text(text.replace(tag.group(0), tag.group(0).replace("@0>", "@5>")))
+    split = read_dump(str(tmp_path))
+    (moved,) = [b for b in split.buffers if b.name == big.name]
+    assert moved.memory_space == 5
+    assert split.host_peak_bytes == big.bytes
+    assert moved not in split.peak_buffers
+    assert split.peak_bytes <= device.peak_bytes
