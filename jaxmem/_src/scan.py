@@ -435,6 +435,16 @@ class _Saved(NamedTuple):
     init_from_y: list  # init of the carry leaves read from ys
 
 
+def _primal_scan(vjp, consts, init, xs):
+    """The scan itself (a custom VJP's primal, run when nothing differentiates it)."""
+
+    def step(c, x):
+        _tick(0)
+        return vjp.body(consts, c, x)
+
+    return jax.lax.scan(step, init, xs, length=vjp.length, reverse=vjp.reverse, unroll=vjp.unroll)
+
+
 class _LeanScan:
     """The custom VJP of one :func:`scan`: a forward loop that emits the partial activations
     and a reverse loop that rebuilds each step's residuals from them (DESIGN.md §2)."""
@@ -479,11 +489,7 @@ class _LeanScan:
         return jax.lax.scan(f, init, xs, length=self.length, reverse=reverse, unroll=self.unroll)
 
     def _primal(self, consts, init, xs):
-        def step(c, x):
-            _tick(0)
-            return self.body(consts, c, x)
-
-        return self._scan(step, init, xs, self.reverse)
+        return _primal_scan(self, consts, init, xs)
 
     def _fwd(self, consts, init, xs):
         # With symbolic_zeros=True each leaf comes as CustomVJPPrimal(value, perturbed).
@@ -764,17 +770,12 @@ class _CheckpointedScan:
         """The xs index of the step at position ``p`` of the processing order."""
         return self.length - 1 - p if self.reverse else p
 
-    def _step(self, consts, carry, x):
-        return self.body(consts, carry, x)
+    def _x_at(self, xs, p):
+        """The xs slice of the step at position ``p`` of the processing order."""
+        return [_index(v, self._x_index(p)) for v in xs]
 
     def _primal(self, consts, init, xs):
-        def step(c, x):
-            _tick(0)
-            return self.body(consts, c, x)
-
-        return jax.lax.scan(
-            step, init, xs, length=self.length, reverse=self.reverse, unroll=self.unroll
-        )
+        return _primal_scan(self, consts, init, xs)
 
     def _fwd(self, consts, init, xs):
         consts, init, xs = jax.tree.map(
@@ -791,7 +792,7 @@ class _CheckpointedScan:
             j = self._x_index(p)
             bufs = _store(bufs, carry, snap_slot[p], snap_when[p] == length - 1)
             _tick(p)
-            carry, y = self.body(consts, carry, [_index(v, j) for v in xs])
+            carry, y = self.body(consts, carry, self._x_at(xs, p))
             return (carry, bufs, [_put(s, v, j) for s, v in zip(ys, y, strict=True)]), None
 
         (carry, bufs, ys), _ = jax.lax.scan(
@@ -803,7 +804,7 @@ class _CheckpointedScan:
         # The last step is taped here: its VJP is the first one the backward pass applies.
         j = self._x_index(length - 1)
         _tick(length - 1)
-        (final, y), vjp_last = jax.vjp(self._step, list(consts), carry, [_index(v, j) for v in xs])
+        (final, y), vjp_last = jax.vjp(self.body, list(consts), carry, self._x_at(xs, length - 1))
         ys = [_put(s, v, j) for s, v in zip(ys, y, strict=True)]
         if self.offload_checkpoints:
             bufs = [_to_host(b) for b in bufs]
@@ -820,7 +821,6 @@ class _CheckpointedScan:
         avals = (const_avals, carry_avals, x_avals, y_avals)
         live = _live(self.traced, avals, ct_final, ct_ys)
         float_consts, float_carry, float_x, float_y = live
-        is_zero = lambda ct: isinstance(ct, SymbolicZero)
 
         def apply(vjp_fn, ct_carry, p):
             j = self._x_index(p)
@@ -842,7 +842,8 @@ class _CheckpointedScan:
             )
 
         ct_carry = [
-            _zeros_ct(carry_avals[i]) if is_zero(ct_final[i]) else ct_final[i] for i in float_carry
+            _zeros_ct(carry_avals[i]) if isinstance(ct_final[i], SymbolicZero) else ct_final[i]
+            for i in float_carry
         ]
         d_consts, ct_carry, d_x = apply(vjp_last, ct_carry, length - 1)
         j_last = self._x_index(length - 1)
@@ -863,14 +864,12 @@ class _CheckpointedScan:
                 carry, bufs = st
                 bufs = _store(bufs, carry, snap_slot[p], snap_when[p] == u)
                 _tick(p)
-                carry, _ = self.body(consts, carry, [_index(v, self._x_index(p)) for v in xs])
+                carry, _ = self.body(consts, carry, self._x_at(xs, p))
                 return carry, bufs
 
             carry, bufs = jax.lax.fori_loop(restore_pos[u], u, advance, (carry, bufs))
             _tick(u)
-            _, vjp_fn = jax.vjp(
-                self._step, list(consts), carry, [_index(v, self._x_index(u)) for v in xs]
-            )
+            _, vjp_fn = jax.vjp(self.body, list(consts), carry, self._x_at(xs, u))
             d_consts, ct_carry, d_x = apply(vjp_fn, ct_carry, u)
             acc = [a + d for a, d in zip(acc, d_consts, strict=True)]
             j = self._x_index(u)
