@@ -16,6 +16,9 @@ from jaxmem._src.buffers import BufferGroup as BufferGroup
 from jaxmem._src.buffers import BufferReport as BufferReport
 from jaxmem._src.names import NAMES as NAMES
 from jaxmem._src.names import name as name
+from jaxmem._src.planner import Plan as Plan
+from jaxmem._src.planner import plan as plan
+from jaxmem._src.planner import use_plan as use_plan
 from jaxmem._src.profile import Comparison as Comparison
 from jaxmem._src.profile import MemoryReport as MemoryReport
 from jaxmem._src.profile import ProfileError as ProfileError
@@ -49,6 +52,7 @@ __all__ = [
     "ForwardModeError",
     "MemoryReport",
     "NAMES",
+    "Plan",
     "PlannedResidual",
     "ProfileError",
     "Residual",
@@ -60,6 +64,7 @@ __all__ = [
     "merge",
     "name",
     "offload",
+    "plan",
     "policies",
     "profile",
     "scan",
@@ -67,6 +72,7 @@ __all__ = [
     "scanned",
     "step_counter",
     "trainable",
+    "use_plan",
 ]
 
 

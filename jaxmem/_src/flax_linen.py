@@ -56,8 +56,11 @@ _DEFAULT_SPLIT_RNGS = {"params": True, "dropout": True}
 
 
 def _resolve_policy(policy: Any, fname: str) -> Callable | None:
-    """``None``, a policy, or a preset name (:func:`jaxmem.policies.by_name`) -> policy."""
-    if policy is None or callable(policy):
+    """``None``, a policy, or a preset name (:func:`jaxmem.policies.by_name`) -> policy.
+
+    ``"auto"`` stays ``"auto"``: :func:`jaxmem.scan` resolves it when the step is traced.
+    """
+    if policy is None or callable(policy) or policy == "auto":
         return policy
     if isinstance(policy, str):
         try:

@@ -30,6 +30,7 @@ import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.tree_util import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
+from jaxmem._src import auto as _auto
 from jaxmem._src import checks
 from jaxmem._src import jax_compat as _jc
 from jaxmem._src import listing as _listing
@@ -336,10 +337,10 @@ def _check_offload(offload, fname: str):
 
 
 def _check_policy(policy, fname: str):
-    if policy is not None and not callable(policy):
+    if policy is not None and not callable(policy) and not _auto.is_auto(policy):
         raise TypeError(
-            f"{fname} got policy={checks.describe(policy)}; expected None or a remat policy (a "
-            "jaxmem.policies policy or one of jax.checkpoint_policies)."
+            f"{fname} got policy={checks.describe(policy)}; expected None, 'auto' or a remat "
+            "policy (a jaxmem.policies policy or one of jax.checkpoint_policies)."
         )
     return policy
 
@@ -357,8 +358,12 @@ def _check_checkpoints(checkpoints, offload, length: int, fname: str) -> int | N
 
 
 def _apply_policy(f, policy, fname: str):
-    """The step under ``jax.checkpoint(policy=...)`` (as each step of a rematerialized scan)."""
-    if _check_policy(policy, fname) is None:
+    """The step under ``jax.checkpoint(policy=...)`` (as each step of a rematerialized scan).
+
+    ``policy="auto"`` is resolved here, at trace time, by the active :func:`jaxmem.use_plan`.
+    """
+    policy = _auto.resolve(_check_policy(policy, fname), fname)
+    if policy is None:
         return f
     checks.check_callable(f, "the body f(carry, x)", fname)
     return jax.checkpoint(f, policy=policy, prevent_cse=False)
