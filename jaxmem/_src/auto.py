@@ -28,7 +28,9 @@ from typing import Any
 AUTO = "auto"
 
 _NO_PLAN = object()
-_current: contextvars.ContextVar[Any] = contextvars.ContextVar("jaxmem_auto_policy", default=_NO_PLAN)
+_current: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "jaxmem_auto_policy", default=_NO_PLAN
+)
 _warned = False
 
 

@@ -36,9 +36,10 @@ from jaxmem._src import auto as _auto
 from jaxmem._src import jax_compat as _jc
 from jaxmem._src import policies as _policies
 
-
 # ------------------------------------------------------------------------------------------
 # The result.
+
+_NO_REMAT = "<no remat>"  # How Plan.trials names the gradient without remat.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +58,8 @@ class Plan:
       no_remat: the gradient without any remat fits: :attr:`policy` saves everything.
       compiles: AOT compiles the search ran.
       seconds: wall time of the search.
-      trials: every compiled candidate, ``(sorted names saved, temp bytes, flops)``.
+      trials: every measured candidate, ``(sorted names saved, temp bytes, flops)``; the
+        gradient without remat is ``(("<no remat>",), temp, flops)``.
 
     Examples:
       >>> p = Plan(save=frozenset({"mlp_in"}), recompute=frozenset({"mlp_act"}))
@@ -88,7 +90,9 @@ class Plan:
             object.__setattr__(self, field, frozenset(value))
         both = self.save & self.recompute
         if both:
-            raise ValueError(f"Plan: {sorted(both)} both saved and recomputed; give each one action")
+            raise ValueError(
+                f"Plan: {sorted(both)} both saved and recomputed; give each one action"
+            )
         object.__setattr__(self, "trials", tuple((tuple(n), t, f) for n, t, f in self.trials))
 
     @property
@@ -187,8 +191,11 @@ class NameEstimate:
 
 
 def _eqn_flops(eqn) -> float:
-    out = sum(_jc.nbytes(v.aval) // max(getattr(v.aval.dtype, "itemsize", 1), 1)
-              for v in eqn.outvars if hasattr(v.aval, "dtype"))
+    out = sum(
+        _jc.nbytes(v.aval) // max(getattr(v.aval.dtype, "itemsize", 1), 1)
+        for v in eqn.outvars
+        if hasattr(v.aval, "dtype")
+    )
     if eqn.primitive.name == "dot_general":
         (lhs_contract, _), _ = eqn.params["dimension_numbers"]
         shape = eqn.invars[0].aval.shape
@@ -296,7 +303,14 @@ def _rank(estimates: Sequence[NameEstimate]) -> list[NameEstimate]:
 def _greedy(
     search: _Search, ranked: list[NameEstimate], budget: int, lo: int, scale: float
 ) -> tuple[frozenset[str], int]:
-    """Confirms candidates by compiling; returns the fitting set with the fewest FLOPs."""
+    """Confirms candidates by compiling; returns the fitting set with the fewest FLOPs.
+
+    Starts from a knapsack fill on the predicted temps; then, while compiles remain, grows a
+    fitting candidate by the best-ranked name predicted to still fit (predictions corrected by
+    the last measurement's error) and shrinks one that does not fit by its worst-ranked name.
+    Returns the fitting set with the fewest FLOPs among all measured ones (saving nothing fits:
+    the caller checked), and its predicted temp.
+    """
     by_name = {e.name: e for e in ranked}
 
     def predict(names, offset=0.0):
@@ -306,35 +320,33 @@ def _greedy(
     for e in ranked:  # Knapsack fill on the predictions.
         if predict(chosen | {e.name}) <= budget:
             chosen.add(e.name)
-    best = frozenset()  # Saving nothing fits (checked by the caller).
-    best_pred = lo
-    candidate, offset = frozenset(chosen), 0.0
-    while search.compiles < search.max_compiles and candidate not in search.results:
-        pred = int(predict(candidate))
-        temp, flops = _measure_names(search, candidate)
+    candidate: frozenset[str] | None = frozenset(chosen)
+    visited: dict[frozenset[str], int] = {frozenset(): lo}  # Candidate -> predicted temp.
+    while candidate is not None:
+        if candidate not in search.results and search.compiles >= search.max_compiles:
+            break
+        visited[candidate] = int(predict(candidate))
+        temp, _ = _measure_names(search, candidate)
         offset = temp - predict(candidate)  # Correct the next prediction by this one's error.
         if temp <= budget:
-            if flops < search.results[best][1] or (
-                flops == search.results[best][1] and temp < search.results[best][0]
-            ):
-                best, best_pred = candidate, pred
-            grow = [
+            nexts = [
                 candidate | {e.name}
                 for e in ranked
-                if e.name not in candidate
-                and candidate | {e.name} not in search.results
-                and predict(candidate | {e.name}, offset) <= budget
+                if e.name not in candidate and predict(candidate | {e.name}, offset) <= budget
             ]
-            if not grow:
-                break
-            candidate = grow[0]
         else:
             ordered = [e.name for e in ranked if e.name in candidate]
-            shrink = [candidate - {n} for n in reversed(ordered) if candidate - {n} not in search.results]
-            if not shrink:
-                break
-            candidate = shrink[0]
-    return best, best_pred
+            nexts = [candidate - {n} for n in reversed(ordered)]
+        candidate = next((c for c in nexts if c not in visited), None)
+
+    fits = [
+        (flops, temp, sorted(k))
+        for k, (temp, flops) in search.results.items()
+        if isinstance(k, frozenset) and temp <= budget
+    ]
+    _, _, best = min(fits)
+    best = frozenset(best)
+    return best, visited.get(best, int(predict(best)))
 
 
 # ------------------------------------------------------------------------------------------
@@ -347,6 +359,7 @@ def plan(
     budget: int,
     max_compiles: int = 12,
     argnums: int | Sequence[int] = 0,
+    known: Sequence[tuple[Sequence[str], int, float]] = (),
 ) -> Plan:
     """Chooses which checkpoint names to save so ``loss_fn``'s gradient fits ``budget``.
 
@@ -359,9 +372,12 @@ def plan(
       loss_fn: the loss, ``loss_fn(*args) -> scalar``.
       *args: its arguments (arrays or ``jax.ShapeDtypeStruct``).
       budget: the temp-memory budget in bytes.
-      max_compiles: at most this many AOT compiles (at least 3: save nothing, save every name,
-        no remat).
+      max_compiles: at most this many new AOT compiles (at least 3: save nothing, save every
+        name, no remat; fewer are used where ``known`` has them).
       argnums: what the gradient is taken with respect to, as in :func:`jax.grad`.
+      known: measurements to reuse instead of compiling again: the :attr:`Plan.trials` of an
+        earlier plan of the same ``loss_fn``, argument shapes and ``argnums`` (for a sweep over
+        budgets). Not checked: trials of another function give a wrong plan.
 
     Returns:
       A :class:`Plan`.
@@ -398,6 +414,9 @@ def plan(
         )
     names = frozenset(e.name for e in estimates)
     search = _Search(jax.grad(loss_fn, argnums=argnums), args, max_compiles)
+    for trial_names, temp, flops in known:
+        key = "no_remat" if tuple(trial_names) == (_NO_REMAT,) else frozenset(trial_names)
+        search.results[key] = (int(temp), float(flops))
 
     lo, _ = _measure_names(search, frozenset())
     if budget < lo:
@@ -420,7 +439,7 @@ def plan(
         no_remat = False
     temp, flops = search.results["no_remat" if no_remat else best]
     trials = tuple(
-        (tuple(sorted(k)) if isinstance(k, frozenset) else ("<no remat>",), t, f)
+        (tuple(sorted(k)) if isinstance(k, frozenset) else (_NO_REMAT,), t, f)
         for k, (t, f) in search.results.items()
     )
     return Plan(
