@@ -103,3 +103,30 @@ def test_use_plan_needs_a_plan():
     with pytest.raises(TypeError, match="expected a jaxmem.Plan"):
         with jaxmem.use_plan(jaxmem.policies.nothing):
             pass
+
+
+def test_flax_linen_stack_takes_auto():
+    nn = pytest.importorskip("flax.linen")
+    from jaxmem.flax import linen as jl
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, h):
+            x = jaxmem.name(jax.nn.gelu(nn.Dense(8)(h)), "mlp_act")
+            return h + nn.Dense(h.shape[-1])(x)
+
+    model = jl.scan_layers(Block, 2, policy="auto")()
+    h = jnp.ones((2, 4))
+    with jaxmem.use_plan(NO_REMAT):
+        params = model.init(jax.random.key(0), h)["params"]
+
+    def loss(p):
+        return jnp.mean(model.apply({"params": p}, h) ** 2)
+
+    def prims(plan):
+        with jaxmem.use_plan(plan):
+            text = str(jax.make_jaxpr(jax.grad(loss))(params))
+        return "checkpoint" in text or "remat" in text
+
+    assert prims(jaxmem.Plan(save=frozenset({"mlp_act"})))
+    assert not prims(NO_REMAT)

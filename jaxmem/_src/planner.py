@@ -173,7 +173,9 @@ def use_plan(plan: Plan) -> Iterator[Plan]:
             f"jaxmem.use_plan: expected a jaxmem.Plan, got {type(plan).__name__}; make one with "
             "jaxmem.plan(loss_fn, *args, budget=...)."
         )
-    with _auto.use_policy(plan.policy):
+    # No remat is no jax.checkpoint at all (`everything` under jax.checkpoint still differs:
+    # XLA's cost analysis counts more FLOPs for it).
+    with _auto.use_policy(None if plan.no_remat else plan.policy):
         yield plan
 
 
