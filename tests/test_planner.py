@@ -66,6 +66,14 @@ def test_budget_below_full_remat(gpt):
         jaxmem.plan(loss, params, tokens, budget=lo - 1, known=loose.trials)
 
 
+def test_validate_lists_the_names_that_occur(gpt):
+    loss, params, tokens, *_ = gpt
+    ok = jaxmem.Plan(save=frozenset({"qkv_proj"}), recompute=frozenset({"mlp_act"}))
+    assert ok.validate(loss, params, tokens) is ok
+    with pytest.raises(ValueError, match="'mlpwi' not among .* attention_out, attention_probs"):
+        jaxmem.Plan(save=frozenset({"mlpwi"})).validate(loss, params, tokens)
+
+
 def test_json_round_trip(gpt):
     *_, loose = gpt
     p = jaxmem.Plan.from_json(loose.to_json())

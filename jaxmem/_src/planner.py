@@ -106,6 +106,28 @@ class Plan:
             return _policies.everything
         return _policies.Save(tuple(sorted(self.save)))
 
+    def validate(self, loss_fn: Callable, *args: Any) -> Plan:
+        """Checks that the plan's names all occur in ``loss_fn`` (traced, not compiled).
+
+        Args:
+          loss_fn: the loss the plan is for.
+          *args: its arguments (arrays or ``jax.ShapeDtypeStruct``).
+
+        Returns:
+          The plan itself.
+
+        Raises:
+          ValueError: a name of the plan does not occur; the message lists those that do.
+        """
+        occurring = {e.name for e in _discover(loss_fn, args)}
+        unknown = sorted((self.save | self.recompute | self.offload) - occurring)
+        if unknown:
+            raise ValueError(
+                f"Plan: {', '.join(map(repr, unknown))} not among the checkpoint names loss_fn "
+                f"uses: {', '.join(sorted(occurring)) or '(none)'}."
+            )
+        return self
+
     def to_json(self) -> str:
         """The plan as a JSON string (sets as sorted lists)."""
         d = dataclasses.asdict(self)

@@ -1007,7 +1007,7 @@ def scan(
     unroll: int | bool = 1,
     *,
     recompute: str = "cheap",
-    policy: Callable | None = None,
+    policy: Callable | str | None = None,
     offload: str | tuple[str, ...] | None = None,
     checkpoints: int | str | None = None,
 ):
@@ -1032,7 +1032,9 @@ def scan(
         available in the backward step; ``"none"`` stacks them.
       policy: a remat policy applied to each step, as ``jax.checkpoint(f, policy=policy)``
         (a :mod:`jaxmem.policies` policy or one of ``jax.checkpoint_policies``); the residuals it
-        saves are then deduplicated as without a policy.
+        saves are then deduplicated as without a policy. ``"auto"``: the policy of the
+        :func:`jaxmem.use_plan` active when the step is traced (no remat outside any plan, with
+        a one-time warning).
       offload: keep stacked values in host memory (``pinned_host``) between the forward and the
         backward pass, each step's slice brought back in the backward loop: ``"residuals"`` (the
         partial activations), ``"carries"`` (the kept carry sequence), ``"all"``, or a tuple of
