@@ -16,7 +16,9 @@ from jaxmem._src.buffers import BufferGroup as BufferGroup
 from jaxmem._src.buffers import BufferReport as BufferReport
 from jaxmem._src.names import NAMES as NAMES
 from jaxmem._src.names import name as name
+from jaxmem._src.planner import Frontier as Frontier
 from jaxmem._src.planner import Plan as Plan
+from jaxmem._src.planner import frontier as frontier
 from jaxmem._src.planner import plan as plan
 from jaxmem._src.planner import use_plan as use_plan
 from jaxmem._src.profile import Comparison as Comparison
@@ -50,6 +52,7 @@ __all__ = [
     "CheckpointSchedule",
     "Comparison",
     "ForwardModeError",
+    "Frontier",
     "MemoryReport",
     "NAMES",
     "Plan",
@@ -60,6 +63,7 @@ __all__ = [
     "StepCounter",
     "compare",
     "flax",
+    "frontier",
     "losses",
     "merge",
     "name",

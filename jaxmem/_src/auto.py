@@ -1,18 +1,18 @@
 """``policy="auto"``: a remat policy chosen later, by the plan active where the step is traced.
 
 Layer stacks opt in with ``policy="auto"`` (:func:`jaxmem.scan`, the :mod:`jaxmem.flax` stacks).
-The string is resolved when the step is traced, from a context variable that
+The string is resolved when the step is traced, from a JAX context state that
 :func:`jaxmem.use_plan` sets; outside any plan it means no remat, said once with a
 :class:`UserWarning`.
 
-The policy is resolved at trace time, so a function jitted (and cached) outside a
-``use_plan`` block keeps the policy it was traced with: apply the plan around the first trace
-(or jit a new function inside the block).
+The state is part of ``jax.jit``'s cache key (and of JAX's trace caches), like
+``jax.default_matmul_precision``: a function jitted outside a ``use_plan`` block and called
+inside one is traced again with the plan's policy, and the other way round.
 
 Examples:
   >>> from jaxmem._src import auto
   >>> from jaxmem._src.policies import nothing
-  >>> with auto.use_policy(nothing):
+  >>> with auto.use_setting(auto.Setting(nothing)):
   ...     auto.resolve("auto", "f")
   nothing
 """
@@ -20,16 +20,33 @@ Examples:
 from __future__ import annotations
 
 import contextlib
-import contextvars
+import dataclasses
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from jaxmem._src import jax_compat as _jc
+
 AUTO = "auto"
 
-_NO_PLAN = object()
-_current: contextvars.ContextVar[Any] = contextvars.ContextVar(
-    "jaxmem_auto_policy", default=_NO_PLAN
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """What ``"auto"`` means inside a :func:`use_setting` block.
+
+    Attributes:
+      policy: the remat policy of each step (None: no ``jax.checkpoint`` at all).
+      checkpoints: the ``checkpoints=`` of each ``"auto"`` scan that does not set its own.
+    """
+
+    policy: Callable | None
+    checkpoints: int | str | None = None
+
+
+_STATE = _jc.trace_keyed_state(
+    "jaxmem_auto_policy",
+    None,
+    'What policy="auto" means in jaxmem stacks (set by jaxmem.use_plan; None: no plan).',
 )
 _warned = False
 
@@ -40,18 +57,16 @@ def is_auto(policy: Any) -> bool:
 
 
 @contextlib.contextmanager
-def use_policy(policy: Callable | None) -> Iterator[None]:
-    """Makes ``policy`` what ``"auto"`` means for steps traced inside the block."""
-    token = _current.set(policy)
-    try:
+def use_setting(setting: Setting) -> Iterator[None]:
+    """Makes ``setting`` what ``"auto"`` means for steps traced inside the block."""
+    with _STATE(setting):
         yield
-    finally:
-        _current.reset(token)
 
 
-def current() -> Any:
-    """The policy ``"auto"`` means here, or ``_NO_PLAN``."""
-    return _current.get()
+def current() -> Setting | None:
+    """The active :class:`Setting`, or None outside any plan."""
+    value = _STATE.value
+    return value if isinstance(value, Setting) else None
 
 
 def resolve(policy: Any, fname: str) -> Any:
@@ -59,9 +74,9 @@ def resolve(policy: Any, fname: str) -> Any:
     global _warned
     if not is_auto(policy):
         return policy
-    active = _current.get()
-    if active is not _NO_PLAN:
-        return active
+    active = current()
+    if active is not None:
+        return active.policy
     if not _warned:
         _warned = True
         warnings.warn(
@@ -72,3 +87,11 @@ def resolve(policy: Any, fname: str) -> Any:
             stacklevel=4,
         )
     return None
+
+
+def resolve_checkpoints(policy: Any, checkpoints: Any) -> Any:
+    """An ``"auto"`` scan's ``checkpoints``: its own if set, else the active plan's."""
+    if checkpoints is not None or not is_auto(policy):
+        return checkpoints
+    active = current()
+    return None if active is None else active.checkpoints

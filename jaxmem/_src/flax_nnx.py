@@ -39,6 +39,7 @@ from flax.nnx.transforms import iteration as _nnx_iteration  # flax-private: see
 from flax.typing import Missing
 from jax.tree_util import tree_flatten, tree_flatten_with_path, tree_unflatten
 
+from jaxmem._src import auto as _auto
 from jaxmem._src import jax_compat as _jc
 from jaxmem._src import scan as _scan
 from jaxmem._src.flax_linen import (
@@ -172,7 +173,8 @@ _TRACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _trace_key(carry_tree, x_tree, carry_avals, x_avals):
-    context = (jax.config.jax_enable_x64, jax.sharding.get_abstract_mesh())
+    # The plan of policy="auto" stacks nested in the body (jaxmem.use_plan) is traced into it.
+    context = (jax.config.jax_enable_x64, jax.sharding.get_abstract_mesh(), _auto.current())
     return (carry_tree, x_tree, tuple(carry_avals), tuple(x_avals), context)
 
 

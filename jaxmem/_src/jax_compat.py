@@ -285,3 +285,20 @@ def zero_cotangent(aval):
     from jax.interpreters import ad
 
     return ad.Zero(aval.to_ct_aval())
+
+
+def trace_keyed_state(name: str, default: Any, help: str):
+    """A context-manager state that JAX's jit and trace caches key on (its value must hash).
+
+    ``jax._src.config.string_or_object_state(..., include_in_jit_key=True,
+    include_in_trace_context=True)`` (same signature on 0.10.2 and 0.12.0.1): a value set with
+    ``with state(value):`` is part of ``jax.jit``'s cache key and of the trace caches (e.g.
+    ``lax.scan``'s body traces), so a function jitted under one value is traced again under
+    another. No public API gives this; :mod:`jaxmem._src.auto` needs it so that a plan applied
+    with ``jaxmem.use_plan`` reaches functions jitted before the block.
+    """
+    from jax._src import config as _config
+
+    return _config.string_or_object_state(
+        name, default, help, include_in_jit_key=True, include_in_trace_context=True
+    )

@@ -1,24 +1,33 @@
 """A memory-budget planner: which checkpoint names to save so the gradient fits a budget.
 
-:func:`plan` chooses, for the checkpoint names a loss uses (:data:`jaxmem.NAMES`), which to save
-on the device and which to recompute, so that the compiled gradient's temp memory (XLA's
-``memory_analysis().temp_size_in_bytes``) fits ``budget`` with as little recomputation
-(``cost_analysis()`` FLOPs above the no-remat gradient's) as it can find. The search is a
-sequence of named steps:
+:func:`plan` chooses what ``policy="auto"`` means for a loss's layer stacks so that the
+compiled gradient's temp memory (XLA's ``memory_analysis().temp_size_in_bytes``) fits
+``budget`` with as little recomputation (``cost_analysis()`` FLOPs above the no-remat
+gradient's) as it can find. The compiler decides: estimates only order the search, and every
+plan returned was compiled and measured. The search is a sequence of named steps:
 
 1. :func:`_discover`: the names the loss uses, each with a cheap estimate of the bytes saving it
    costs (its value's size, times the length of the loops around it) and of the FLOPs that
    saving it avoids recomputing (the equations between it and the named values or inputs
    before it).
-2. :func:`_measure` the two ends: save no name (the smallest temp, the most recomputation) and
-   save every name; and the gradient without remat (the FLOPs baseline).
+2. The ends and the presets, compiled: no remat (the FLOPs baseline), save every name, save
+   nothing (full remat), and each preset of :mod:`jaxmem.policies` (``dots_no_batch``,
+   ``dots``, ``selective``, ``everything``).
 3. :func:`_greedy`: names ranked by FLOPs avoided per byte, added while the predicted temp
    (the save-nothing temp plus the estimated bytes, scaled so the save-every-name set predicts
-   its measured temp) fits; each candidate is then compiled to confirm, growing the set while it
-   fits and shrinking it when it does not, at most ``max_compiles`` compiles in all.
+   its measured temp) fits; each candidate is compiled to confirm, growing the set while it
+   fits and shrinking it when it does not.
+4. Below full remat: the same with ``checkpoints="sqrt"`` in the stacks (binomial
+   checkpointing, :func:`jaxmem.scan`), and host offload of every name where the backend can
+   measure it (not on CPU, where offload is the identity).
+
+The plan is the fitting candidate with the fewest recompute FLOPs among all those measured
+(ties: the smaller temp), so it never recomputes more than the cheapest fitting preset. All
+compiles count against ``max_compiles``.
 
 Layer stacks opt in with ``policy="auto"`` (:func:`jaxmem.scan`, :mod:`jaxmem.flax` stacks);
-``with use_plan(p):`` makes "auto" mean ``p.policy`` for the stacks traced inside the block.
+``with use_plan(p):`` makes "auto" mean ``p.policy`` (and ``p.checkpoints``) for the stacks
+traced inside the block. :func:`frontier` maps the whole memory / recompute trade-off.
 """
 
 from __future__ import annotations
@@ -26,40 +35,139 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import time
+import math
+import statistics
+import time as _time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from jaxmem._src import auto as _auto
 from jaxmem._src import jax_compat as _jc
+from jaxmem._src import offload as _offload
 from jaxmem._src import policies as _policies
+
+PRESETS = ("nothing", "dots_no_batch", "dots", "selective", "everything")
+"""The :mod:`jaxmem.policies` presets every search measures (``nothing`` is full remat)."""
+
+_MIN_COMPILES = 3  # no remat, save every name, save nothing
+_PATIENCE = 4  # The greedy stops after this many compiles that found nothing cheaper.
+
+
+def _offload_measurable() -> bool:
+    """Whether offloading changes the compiled device temp here (not on CPU: the identity)."""
+    return jax.default_backend() != "cpu" and _offload.supported()
+
+
+# ------------------------------------------------------------------------------------------
+# A candidate: what "auto" means in one compile.
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One choice for the ``"auto"`` stacks, as the search compiles it.
+
+    Attributes:
+      save: names saved on the device (the rest recomputed).
+      offload: names offloaded to host memory.
+      preset: a :mod:`jaxmem.policies` preset used instead of names (``save``/``offload``
+        empty).
+      checkpoints: the stacks' ``checkpoints=`` (None: every step's residuals kept).
+      no_remat: no ``jax.checkpoint`` at all (the FLOPs baseline).
+    """
+
+    save: frozenset[str] = frozenset()
+    offload: frozenset[str] = frozenset()
+    preset: str | None = None
+    checkpoints: int | str | None = None
+    no_remat: bool = False
+
+    @property
+    def policy(self) -> Callable | None:
+        """The remat policy of each step (None for no remat)."""
+        if self.no_remat:
+            return None
+        if self.preset is not None:
+            return _policies.by_name(self.preset)
+        parts = []
+        if self.save:
+            parts.append(_policies.Save(tuple(sorted(self.save))))
+        if self.offload:
+            parts.append(_policies.Offload(tuple(sorted(self.offload))))
+        if not parts:
+            return _policies.nothing
+        return parts[0] if len(parts) == 1 else _policies.Either(tuple(parts))
+
+    def setting(self) -> _auto.Setting:
+        return _auto.Setting(self.policy, self.checkpoints)
+
+    @property
+    def key(self) -> str:
+        """A short readable key, e.g. ``"save mlp_in,qkv_proj"`` or ``"preset dots"``."""
+        if self.no_remat:
+            return "no remat"
+        if self.preset is not None:
+            parts = [f"preset {self.preset}"]
+        else:
+            parts = [f"save {','.join(sorted(self.save))}" if self.save else "save nothing"]
+            if self.offload:
+                parts.append(f"offload {','.join(sorted(self.offload))}")
+        if self.checkpoints is not None:
+            parts.append(f"checkpoints {self.checkpoints}")
+        return "; ".join(parts)
+
+    @classmethod
+    def from_key(cls, key: str) -> Candidate:
+        """The candidate :attr:`key` names."""
+        if key == "no remat":
+            return cls(no_remat=True)
+        fields: dict[str, Any] = {}
+        for part in key.split("; "):
+            word, _, rest = part.partition(" ")
+            if word == "preset":
+                fields["preset"] = rest
+            elif word == "save":
+                fields["save"] = frozenset() if rest == "nothing" else frozenset(rest.split(","))
+            elif word == "offload":
+                fields["offload"] = frozenset(rest.split(","))
+            elif word == "checkpoints":
+                fields["checkpoints"] = int(rest) if rest.isdigit() else rest
+            else:
+                raise ValueError(f"jaxmem.Plan: unreadable trial key {key!r}")
+        return cls(**fields)
+
 
 # ------------------------------------------------------------------------------------------
 # The result.
 
-_NO_REMAT = "<no remat>"  # How Plan.trials names the gradient without remat.
-
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """What to do with each checkpoint name so a gradient fits a memory budget.
+    """What ``policy="auto"`` stacks do so a gradient fits a memory budget.
 
     Attributes:
       save: names saved on the device.
       recompute: names recomputed in the backward pass.
-      offload: names offloaded to host memory (empty: this prototype plans no offload).
+      offload: names offloaded to host memory.
+      preset: a :mod:`jaxmem.policies` preset the plan uses instead of per-name decisions
+        (``save``, ``recompute`` and ``offload`` are then empty), or None.
+      checkpoints: ``checkpoints=`` for every ``"auto"`` scan that does not set its own
+        (binomial checkpointing over the layers), or None.
       budget: the temp-memory budget in bytes the plan was made for (None if made by hand).
       measured_temp_bytes: compiled temp of the gradient under the plan (``memory_analysis``).
-      predicted_temp_bytes: the planner's estimate before compiling.
+      predicted_temp_bytes: the planner's estimate before compiling (None for presets).
       recompute_flops: FLOPs of the planned gradient minus those of the no-remat gradient.
       baseline_flops: FLOPs of the no-remat gradient (``cost_analysis``).
-      no_remat: the gradient without any remat fits: :attr:`policy` saves everything.
+      no_remat: no remat at all: the gradient without ``jax.checkpoint`` fits.
       compiles: AOT compiles the search ran.
       seconds: wall time of the search.
-      trials: every measured candidate, ``(sorted names saved, temp bytes, flops)``; the
-        gradient without remat is ``(("<no remat>",), temp, flops)``.
+      trials: every measured candidate, ``(key, temp bytes, flops)``, the key as
+        :attr:`Candidate.key` writes it (``"no remat"``, ``"preset dots"``, ``"save a,b"``...).
+      notes: what the search could not do here (e.g. offload not measurable on CPU).
+      step_time_s: median measured step time of the planned gradient (``plan(time=True)``).
+      no_remat_step_time_s: the same for the no-remat gradient, measured interleaved.
 
     Examples:
       >>> p = Plan(save=frozenset({"mlp_in"}), recompute=frozenset({"mlp_act"}))
@@ -69,9 +177,11 @@ class Plan:
       True
     """
 
-    save: frozenset[str]
+    save: frozenset[str] = frozenset()
     recompute: frozenset[str] = frozenset()
     offload: frozenset[str] = frozenset()
+    preset: str | None = None
+    checkpoints: int | str | None = None
     budget: int | None = None
     measured_temp_bytes: int | None = None
     predicted_temp_bytes: int | None = None
@@ -80,7 +190,10 @@ class Plan:
     no_remat: bool = False
     compiles: int = 0
     seconds: float = 0.0
-    trials: tuple[tuple[tuple[str, ...], int, float], ...] = ()
+    trials: tuple[tuple[str, int, float], ...] = ()
+    notes: tuple[str, ...] = ()
+    step_time_s: float | None = None
+    no_remat_step_time_s: float | None = None
 
     def __post_init__(self):
         for field in ("save", "recompute", "offload"):
@@ -88,23 +201,40 @@ class Plan:
             if isinstance(value, str) or not all(isinstance(n, str) for n in value):
                 raise TypeError(f"Plan.{field} must be a set of checkpoint names, got {value!r}")
             object.__setattr__(self, field, frozenset(value))
-        both = self.save & self.recompute
-        if both:
-            raise ValueError(
-                f"Plan: {sorted(both)} both saved and recomputed; give each one action"
-            )
-        object.__setattr__(self, "trials", tuple((tuple(n), t, f) for n, t, f in self.trials))
+        for a, b in (("save", "recompute"), ("save", "offload"), ("recompute", "offload")):
+            both = getattr(self, a) & getattr(self, b)
+            if both:
+                raise ValueError(f"Plan: {sorted(both)} in both {a} and {b}; give each one action")
+        if self.preset is not None:
+            _policies.by_name(self.preset)  # Raises on an unknown preset, listing them.
+            if self.save or self.offload:
+                raise ValueError("Plan: a preset plan takes no save/offload names")
+        object.__setattr__(
+            self, "trials", tuple((str(k), int(t), float(f)) for k, t, f in self.trials)
+        )
+        object.__setattr__(self, "notes", tuple(self.notes))
 
     @property
-    def policy(self) -> _policies.Policy:
-        """The remat policy: ``jaxmem.policies.save(*self.save)`` (``everything`` if no remat).
+    def candidate(self) -> Candidate:
+        """The :class:`Candidate` this plan applies."""
+        return Candidate(
+            save=self.save,
+            offload=self.offload,
+            preset=self.preset,
+            checkpoints=self.checkpoints,
+            no_remat=self.no_remat,
+        )
+
+    @property
+    def policy(self) -> Callable:
+        """The remat policy: ``jaxmem.policies.save(*self.save)`` (a preset, or ``everything``
+        with no remat; offloaded names add ``jaxmem.policies.offload(...)``).
 
         Usable as ``jaxmem.scan(policy=...)``, in :mod:`jaxmem.flax` stacks and in
-        ``jax.checkpoint(policy=...)``.
+        ``jax.checkpoint(policy=...)``. ``checkpoints`` is not part of a policy: pass
+        ``checkpoints=plan.checkpoints`` to the stack too (``use_plan`` does both).
         """
-        if self.no_remat:
-            return _policies.everything
-        return _policies.Save(tuple(sorted(self.save)))
+        return _policies.everything if self.no_remat else self.candidate.policy
 
     def validate(self, loss_fn: Callable, *args: Any) -> Plan:
         """Checks that the plan's names all occur in ``loss_fn`` (traced, not compiled).
@@ -128,40 +258,62 @@ class Plan:
             )
         return self
 
-    def to_json(self) -> str:
-        """The plan as a JSON string (sets as sorted lists)."""
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as plain data (sets as sorted lists)."""
         d = dataclasses.asdict(self)
         for field in ("save", "recompute", "offload"):
             d[field] = sorted(d[field])
-        return json.dumps(d, sort_keys=True)
+        d["trials"] = [list(t) for t in self.trials]
+        d["notes"] = list(self.notes)
+        return d
+
+    def to_json(self) -> str:
+        """The plan as a JSON string (:meth:`from_json` reads it back)."""
+        return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
         """The plan :meth:`to_json` wrote."""
         d = json.loads(text)
-        d["trials"] = tuple((tuple(n), t, f) for n, t, f in d.get("trials", ()))
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"jaxmem.Plan.from_json: unknown fields {unknown}")
+        d["trials"] = tuple(tuple(t) for t in d.get("trials", ()))
         return cls(**d)
 
     def __str__(self) -> str:
         def mib(b):
             return "?" if b is None else f"{b / 2**20:.3f} MiB"
 
-        lines = [
-            f"Plan for budget {mib(self.budget)}: temp {mib(self.measured_temp_bytes)} measured "
-            f"({mib(self.predicted_temp_bytes)} predicted)",
-            f"  save:      {', '.join(sorted(self.save)) or '-'}"
-            + ("  (no remat at all)" if self.no_remat else ""),
-            f"  recompute: {', '.join(sorted(self.recompute)) or '-'}",
-        ]
-        if self.offload:
-            lines.append(f"  offload:   {', '.join(sorted(self.offload))}")
+        head = f"Plan for budget {mib(self.budget)}: temp {mib(self.measured_temp_bytes)} measured"
+        if self.predicted_temp_bytes is not None:
+            head += f" ({mib(self.predicted_temp_bytes)} predicted)"
+        lines = [head]
+        if self.no_remat:
+            lines.append("  no remat at all (every residual saved)")
+        elif self.preset is not None:
+            lines.append(f"  preset:    {self.preset} (jaxmem.policies.{self.preset})")
+        else:
+            lines.append(f"  save:      {', '.join(sorted(self.save)) or '-'}")
+            lines.append(f"  recompute: {', '.join(sorted(self.recompute)) or '-'}")
+            if self.offload:
+                lines.append(f"  offload:   {', '.join(sorted(self.offload))}")
+        if self.checkpoints is not None:
+            lines.append(f"  checkpoints={self.checkpoints!r} in the stacks")
         if self.recompute_flops is not None and self.baseline_flops:
             pct = 100 * self.recompute_flops / self.baseline_flops
             lines.append(
-                f"  recompute: {self.recompute_flops:.4g} FLOPs ({pct:.1f}% over the no-remat "
-                f"gradient's {self.baseline_flops:.4g})"
+                f"  cost:      {self.recompute_flops:.4g} FLOPs recomputed ({pct:.1f}% over the "
+                f"no-remat gradient's {self.baseline_flops:.4g})"
+            )
+        if self.step_time_s is not None and self.no_remat_step_time_s:
+            ratio = self.step_time_s / self.no_remat_step_time_s
+            lines.append(
+                f"  time:      {1e3 * self.step_time_s:.2f} ms per gradient ({ratio:.2f}x no remat)"
             )
         lines.append(f"  search:    {self.compiles} compiles, {self.seconds:.1f} s")
+        lines.extend(f"  note:      {n}" for n in self.notes)
         return "\n".join(lines)
 
 
@@ -169,8 +321,8 @@ class Plan:
 def use_plan(plan: Plan) -> Iterator[Plan]:
     """Applies ``plan`` to every ``policy="auto"`` stack traced inside the block.
 
-    The policy is chosen when the stack is traced, so trace (or jit anew) inside the block:
-    a function jitted and cached before keeps the policy it was traced with.
+    The plan is part of ``jax.jit``'s cache key: a function jitted before the block is traced
+    again inside it (as for ``jax.default_matmul_precision``).
 
     Args:
       plan: a :class:`Plan` (from :func:`plan` or :meth:`Plan.from_json`).
@@ -195,9 +347,7 @@ def use_plan(plan: Plan) -> Iterator[Plan]:
             f"jaxmem.use_plan: expected a jaxmem.Plan, got {type(plan).__name__}; make one with "
             "jaxmem.plan(loss_fn, *args, budget=...)."
         )
-    # No remat is no jax.checkpoint at all (`everything` under jax.checkpoint still differs:
-    # XLA's cost analysis counts more FLOPs for it).
-    with _auto.use_policy(None if plan.no_remat else plan.policy):
+    with _auto.use_setting(plan.candidate.setting()):
         yield plan
 
 
@@ -269,7 +419,7 @@ def _walk(jaxpr, mult: int, out: dict, seen: set) -> None:
 
 def _discover(loss_fn: Callable, args: Sequence[Any]) -> list[NameEstimate]:
     """Step 1: the checkpoint names ``loss_fn`` uses, with bytes and recompute-FLOPs estimates."""
-    with _auto.use_policy(_policies.nothing):
+    with _auto.use_setting(_auto.Setting(_policies.nothing)):
         closed = jax.make_jaxpr(loss_fn)(*args)
     found: dict[str, tuple[int, float]] = {}
     _walk(_jc.open_jaxpr(closed), 1, found, set())
@@ -280,6 +430,10 @@ def _discover(loss_fn: Callable, args: Sequence[Any]) -> list[NameEstimate]:
 # Step 2: compile and measure.
 
 
+class _OutOfCompiles(Exception):
+    """The search used its ``max_compiles``."""
+
+
 @dataclasses.dataclass
 class _Search:
     """The state of one search: the function, its compiles, and their results."""
@@ -287,8 +441,32 @@ class _Search:
     grad_fn: Callable
     args: Sequence[Any]
     max_compiles: int
-    results: dict = dataclasses.field(default_factory=dict)  # key -> (temp, flops)
+    results: dict = dataclasses.field(default_factory=dict)  # Candidate -> (temp, flops)
     compiles: int = 0
+
+    def compile(self, cand: Candidate):
+        with _auto.use_setting(cand.setting()):
+            return jax.jit(self.grad_fn).lower(*self.args).compile()
+
+    def measure(self, cand: Candidate) -> tuple[int, float]:
+        """Compiles the gradient with "auto" meaning ``cand``: (temp bytes, FLOPs); cached."""
+        if cand in self.results:
+            return self.results[cand]
+        if self.compiles >= self.max_compiles:
+            raise _OutOfCompiles
+        compiled = self.compile(cand)
+        self.compiles += 1
+        result = (int(compiled.memory_analysis().temp_size_in_bytes), _flops(compiled))
+        self.results[cand] = result
+        return result
+
+    def fitting(self, budget: int) -> list[tuple[float, int, Candidate]]:
+        """Measured candidates within ``budget``: ``(flops, temp, candidate)``, cheapest first."""
+        fits = [(f, t, c) for c, (t, f) in self.results.items() if t <= budget]
+        return sorted(fits, key=lambda x: (x[0], x[1], x[2].key))
+
+    def trials(self) -> tuple[tuple[str, int, float], ...]:
+        return tuple((c.key, t, f) for c, (t, f) in self.results.items())
 
 
 def _flops(compiled) -> float:
@@ -296,23 +474,6 @@ def _flops(compiled) -> float:
     if isinstance(cost, (list, tuple)):  # Older jax: one dict per computation.
         return float(sum((c or {}).get("flops", 0.0) for c in cost))
     return float((cost or {}).get("flops", 0.0))
-
-
-def _measure(search: _Search, key: Any, policy: Callable | None) -> tuple[int, float]:
-    """Compiles the gradient with "auto" meaning ``policy``: (temp bytes, FLOPs); cached by key."""
-    if key in search.results:
-        return search.results[key]
-    with _auto.use_policy(policy):
-        # A new jit object each time: jit's trace cache does not see the context variable.
-        compiled = jax.jit(lambda *a: search.grad_fn(*a)).lower(*search.args).compile()
-    search.compiles += 1
-    result = (int(compiled.memory_analysis().temp_size_in_bytes), _flops(compiled))
-    search.results[key] = result
-    return result
-
-
-def _measure_names(search: _Search, names: frozenset[str]) -> tuple[int, float]:
-    return _measure(search, names, _policies.Save(tuple(sorted(names))))
 
 
 # ------------------------------------------------------------------------------------------
@@ -326,14 +487,14 @@ def _rank(estimates: Sequence[NameEstimate]) -> list[NameEstimate]:
 
 def _greedy(
     search: _Search, ranked: list[NameEstimate], budget: int, lo: int, scale: float
-) -> tuple[frozenset[str], int]:
-    """Confirms candidates by compiling; returns the fitting set with the fewest FLOPs.
+) -> dict[frozenset[str], int]:
+    """Compiles name sets to confirm them; returns each tried set's predicted temp.
 
     Starts from a knapsack fill on the predicted temps; then, while compiles remain, grows a
-    fitting candidate by the best-ranked name predicted to still fit (predictions corrected by
-    the last measurement's error) and shrinks one that does not fit by its worst-ranked name.
-    Returns the fitting set with the fewest FLOPs among all measured ones (saving nothing fits:
-    the caller checked), and its predicted temp.
+    fitting set by the best-ranked name predicted to still fit (predictions corrected by the
+    last measurement's error; then by the others, since temps are not monotone), and shrinks
+    one that does not fit by its worst-ranked name, else grows the cheapest fitting set so far.
+    Stops after ``_PATIENCE`` compiles that found nothing cheaper, or at ``max_compiles``.
     """
     by_name = {e.name: e for e in ranked}
 
@@ -345,60 +506,129 @@ def _greedy(
         if predict(chosen | {e.name}) <= budget:
             chosen.add(e.name)
     candidate: frozenset[str] | None = frozenset(chosen)
-    visited: dict[frozenset[str], int] = {frozenset(): lo}  # Candidate -> predicted temp.
-    while candidate is not None:
-        if candidate not in search.results and search.compiles >= search.max_compiles:
-            break
+    visited: dict[frozenset[str], int] = {frozenset(): lo}  # Name set -> predicted temp.
+
+    def cheapest():
+        fits = search.fitting(budget)
+        return fits[0][0] if fits else math.inf
+
+    stale = 0  # Compiles since the cheapest fitting FLOPs last went down.
+    while candidate is not None and stale < _PATIENCE:
         visited[candidate] = int(predict(candidate))
-        temp, _ = _measure_names(search, candidate)
+        before = cheapest()
+        try:
+            temp, _ = search.measure(Candidate(save=candidate))
+        except _OutOfCompiles:
+            break
+        stale = 0 if cheapest() < before else stale + 1
         offset = temp - predict(candidate)  # Correct the next prediction by this one's error.
         if temp <= budget:
-            nexts = [
-                candidate | {e.name}
-                for e in ranked
-                if e.name not in candidate and predict(candidate | {e.name}, offset) <= budget
-            ]
+            grow = [candidate | {e.name} for e in ranked if e.name not in candidate]
+            # Predicted to fit first; then the others (temps are not monotone in the names
+            # saved: saving a value can shorten the live range of what computes it).
+            nexts = sorted(grow, key=lambda c: predict(c, offset) > budget)
         else:
             ordered = [e.name for e in ranked if e.name in candidate]
             nexts = [candidate - {n} for n in reversed(ordered)]
+            # Then grow the cheapest fitting set found so far the same way.
+            fits = [
+                (f, sorted(c.save))
+                for c, (t, f) in search.results.items()
+                if t <= budget and not (c.no_remat or c.preset or c.offload or c.checkpoints)
+            ]
+            if fits:
+                best = frozenset(min(fits)[1])
+                nexts += [best | {e.name} for e in ranked if e.name not in best]
         candidate = next((c for c in nexts if c not in visited), None)
-
-    fits = [
-        (flops, temp, sorted(k))
-        for k, (temp, flops) in search.results.items()
-        if isinstance(k, frozenset) and temp <= budget
-    ]
-    _, _, best = min(fits)
-    best = frozenset(best)
-    return best, visited.get(best, int(predict(best)))
+    return visited
 
 
 # ------------------------------------------------------------------------------------------
 # The entry point.
 
 
+def _check_budget(budget: Any, caller: str) -> int:
+    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < 0:
+        raise TypeError(f"{caller}: budget must be a number of bytes (an int >= 0), got {budget!r}")
+    return int(budget)
+
+
+def _time_gradients(search: _Search, cands: Sequence[Candidate], rounds: int = 5) -> list[float]:
+    """Median step time of each candidate's gradient, measured interleaved, in seconds."""
+    for a in search.args:
+        for leaf in jax.tree.leaves(a):
+            if isinstance(leaf, jax.ShapeDtypeStruct):
+                raise ValueError(
+                    "jaxmem.plan(time=True) runs the gradient: give arrays, not "
+                    "jax.ShapeDtypeStruct, as arguments."
+                )
+    compiled = [search.compile(c) for c in cands]
+    for c in compiled:
+        jax.block_until_ready(c(*search.args))
+    times: list[list[float]] = [[] for _ in cands]
+    for _ in range(rounds):
+        for i, c in enumerate(compiled):
+            t = _time.perf_counter()
+            jax.block_until_ready(c(*search.args))
+            times[i].append(_time.perf_counter() - t)
+    return [statistics.median(t) for t in times]
+
+
+def _below_reach_message(caller, budget, lo, lo_key, names, checkpoints_tried, offload_note):
+    more = []
+    if offload_note:
+        more.append(f"host offload ({offload_note})")
+    else:
+        more.append("host offload of the stacks' carries (jaxmem.scan(offload='carries'))")
+    if not checkpoints_tried:
+        more.append("checkpoints= on long scans (jaxmem.scan(checkpoints='sqrt'))")
+    more.append(
+        "a chunked loss (jaxmem.losses.linear_cross_entropy) for a large output layer, "
+        "or a smaller batch or sequence"
+    )
+    return (
+        f"{caller}: budget={budget} bytes is below the smallest reachable temp, {lo} bytes "
+        f"({lo / 2**20:.3f} MiB, {lo_key}; names: {', '.join(sorted(names))}). What would "
+        f"lower it further: {'; '.join(more)}."
+    )
+
+
 def plan(
     loss_fn: Callable,
     *args: Any,
     budget: int,
-    max_compiles: int = 12,
+    max_compiles: int = 16,
     argnums: int | Sequence[int] = 0,
-    known: Sequence[tuple[Sequence[str], int, float]] = (),
+    presets: bool = True,
+    checkpoints: bool = True,
+    offload: bool | None = None,
+    time: bool = False,
+    known: Sequence[tuple[str, int, float]] = (),
 ) -> Plan:
-    """Chooses which checkpoint names to save so ``loss_fn``'s gradient fits ``budget``.
+    """Chooses what ``policy="auto"`` stacks do so ``loss_fn``'s gradient fits ``budget``.
 
     ``loss_fn``'s layer stacks opt in with ``policy="auto"`` (:func:`jaxmem.scan`,
-    :mod:`jaxmem.flax` stacks); the plan is then applied with ``with jaxmem.use_plan(p):``.
-    The gradient is ``jax.grad(loss_fn, argnums)``; its temp memory is XLA's compile-time
-    ``memory_analysis().temp_size_in_bytes`` and its cost ``cost_analysis()["flops"]``.
+    :mod:`jaxmem.flax` stacks) and tag activations with checkpoint names
+    (:func:`jaxmem.name`); the plan is then applied with ``with jaxmem.use_plan(p):`` or as
+    ``policy=p.policy``. The gradient is ``jax.grad(loss_fn, argnums)``; its temp memory is
+    XLA's compile-time ``memory_analysis().temp_size_in_bytes`` (per device for sharded
+    arguments) and its cost ``cost_analysis()["flops"]``. The plan is the measured candidate
+    within the budget with the fewest recompute FLOPs (the module docstring lists the search).
 
     Args:
       loss_fn: the loss, ``loss_fn(*args) -> scalar``.
       *args: its arguments (arrays or ``jax.ShapeDtypeStruct``).
       budget: the temp-memory budget in bytes.
-      max_compiles: at most this many new AOT compiles (at least 3: save nothing, save every
-        name, no remat; fewer are used where ``known`` has them).
+      max_compiles: at most this many AOT compiles in all (at least 3: no remat, save every
+        name, save nothing); candidates found in ``known`` cost none.
       argnums: what the gradient is taken with respect to, as in :func:`jax.grad`.
+      presets: also measure the :data:`PRESETS` (the plan is then never more expensive than
+        the cheapest preset that fits).
+      checkpoints: below full remat, try ``checkpoints="sqrt"`` in the stacks.
+      offload: try host offload below full remat; None: where the backend can measure it (not
+        on CPU, where offload is the identity: the plan says so in :attr:`Plan.notes`).
+      time: also measure the planned gradient's step time against no remat (interleaved;
+        needs arrays as arguments).
       known: measurements to reuse instead of compiling again: the :attr:`Plan.trials` of an
         earlier plan of the same ``loss_fn``, argument shapes and ``argnums`` (for a sweep over
         budgets). Not checked: trials of another function give a wrong plan.
@@ -407,8 +637,10 @@ def plan(
       A :class:`Plan`.
 
     Raises:
-      ValueError: ``budget`` is below the temp of saving no name (the smallest reachable; the
-        message gives it); ``max_compiles < 3``; ``loss_fn`` uses no checkpoint name.
+      ValueError: ``budget`` is below the smallest reachable temp (the message gives it and
+        what would lower it further); ``max_compiles < 3``; ``loss_fn`` uses no checkpoint
+        name.
+      TypeError: ``budget`` is not an int >= 0.
 
     Examples:
       >>> import jax, jax.numpy as jnp, jaxmem
@@ -425,11 +657,12 @@ def plan(
       ...     g = jax.grad(loss)(w, xs)
     """
     caller = "jaxmem.plan"
-    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
-        raise TypeError(f"{caller}: budget must be a number of bytes (an int >= 0), got {budget!r}")
-    if max_compiles < 3:
+    budget = _check_budget(budget, caller)
+    if isinstance(max_compiles, bool) or not isinstance(max_compiles, int):
+        raise TypeError(f"{caller}: max_compiles must be an int, got {max_compiles!r}")
+    if max_compiles < _MIN_COMPILES:
         raise ValueError(f"{caller}: max_compiles={max_compiles}; it needs at least 3.")
-    start = time.perf_counter()
+    start = _time.perf_counter()
     estimates = _discover(loss_fn, args)
     if not estimates:
         raise ValueError(
@@ -438,44 +671,438 @@ def plan(
         )
     names = frozenset(e.name for e in estimates)
     search = _Search(jax.grad(loss_fn, argnums=argnums), args, max_compiles)
-    for trial_names, temp, flops in known:
-        key = "no_remat" if tuple(trial_names) == (_NO_REMAT,) else frozenset(trial_names)
-        search.results[key] = (int(temp), float(flops))
+    for key, temp, flops in known:
+        search.results[Candidate.from_key(key)] = (int(temp), float(flops))
 
-    lo, _ = _measure_names(search, frozenset())
-    if budget < lo:
-        raise ValueError(
-            f"{caller}: budget={budget} bytes is below the smallest reachable temp, {lo} bytes "
-            f"({lo / 2**20:.3f} MiB: every name recomputed, {', '.join(sorted(names))}). Raise "
-            "the budget, or shrink what no name covers (batch, sequence, loss)."
-        )
-    base_temp, base_flops = _measure(search, "no_remat", None)
-    hi, _ = _measure_names(search, names)
+    notes = []
+    measurable = _offload_measurable()
+    if offload is None:
+        offload = measurable
+        if not measurable:
+            notes.append(
+                f"offload not measurable here ({jax.default_backend()}: host offload is the "
+                "identity on CPU); plans with offload were not searched"
+            )
 
-    if base_temp <= budget:
-        best, pred, no_remat = names, base_temp, True
-    elif hi <= budget:
-        best, pred, no_remat = names, hi, False
-    else:
+    full = Candidate(save=frozenset())
+    no_remat = Candidate(no_remat=True)
+    every = Candidate(save=names)
+    _, base_flops = search.measure(no_remat)
+    search.measure(every)
+    lo, _ = search.measure(full)
+    predicted: dict[Candidate, int] = {}
+    if presets:
+        for p in PRESETS[1:]:  # "nothing" is `full`.
+            with contextlib.suppress(_OutOfCompiles):
+                search.measure(Candidate(preset=p))
+    if not search.fitting(budget):
+        if checkpoints:
+            with contextlib.suppress(_OutOfCompiles):
+                search.measure(Candidate(checkpoints="sqrt"))
+        if offload:
+            with contextlib.suppress(_OutOfCompiles):
+                search.measure(Candidate(offload=names))
+                search.measure(Candidate(offload=names, checkpoints="sqrt"))
+        if not search.fitting(budget):
+            (t_min, key_min) = min((t, c.key) for c, (t, _) in search.results.items())
+            raise ValueError(
+                _below_reach_message(
+                    caller,
+                    budget,
+                    t_min,
+                    key_min,
+                    names,
+                    checkpoints,
+                    None if offload else (notes[0] if notes else "not searched: offload=False"),
+                )
+            )
+    elif not search.results[no_remat][0] <= budget:
+        hi = search.results[every][0]
         total = sum(e.bytes for e in estimates)
         scale = (hi - lo) / total if total else 0.0
-        best, pred = _greedy(search, _rank(estimates), budget, lo, scale)
-        no_remat = False
-    temp, flops = search.results["no_remat" if no_remat else best]
-    trials = tuple(
-        (tuple(sorted(k)) if isinstance(k, frozenset) else (_NO_REMAT,), t, f)
-        for k, (t, f) in search.results.items()
-    )
+        for s, p in _greedy(search, _rank(estimates), budget, lo, scale).items():
+            predicted[Candidate(save=s)] = p
+    flops, temp, best = search.fitting(budget)[0]
+
+    step = base_step = None
+    if time:
+        step, base_step = _time_gradients(search, [best, no_remat])
+    if best.no_remat:
+        save, recompute = names, frozenset()
+    elif best.preset is not None:
+        save, recompute = frozenset(), frozenset()
+    else:
+        save, recompute = best.save, names - best.save - best.offload
     return Plan(
-        save=best,
-        recompute=names - best,
+        save=save,
+        recompute=recompute,
+        offload=best.offload,
+        preset=best.preset,
+        checkpoints=best.checkpoints,
         budget=budget,
         measured_temp_bytes=temp,
-        predicted_temp_bytes=int(pred),
+        predicted_temp_bytes=predicted.get(best),
         recompute_flops=flops - base_flops,
         baseline_flops=base_flops,
-        no_remat=no_remat,
+        no_remat=best.no_remat,
         compiles=search.compiles,
-        seconds=time.perf_counter() - start,
-        trials=trials,
+        seconds=_time.perf_counter() - start,
+        trials=search.trials(),
+        notes=tuple(notes),
+        step_time_s=step,
+        no_remat_step_time_s=base_step,
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# The frontier: every measured trade-off, presets and plans together.
+
+
+@dataclasses.dataclass(frozen=True)
+class FrontierPoint:
+    """One measured (or unmeasurable) configuration on the memory / recompute plane.
+
+    Attributes:
+      key: the candidate (:attr:`Candidate.key`: ``"preset dots"``, ``"save a,b"``, ...).
+      kind: ``"no remat"``, ``"preset"`` (``"save nothing"`` is the preset ``nothing``),
+        ``"names"`` (a set of saved names the search compiled), ``"checkpoints"`` or
+        ``"offload"``.
+      temp_bytes: compiled temp of the gradient (None: not measurable here).
+      recompute_flops: FLOPs above the no-remat gradient's (None: not measurable here).
+      step_time_s: median measured step time (``frontier(time=True)``), else None.
+      pareto: no other measured point has both less temp and fewer FLOPs.
+      picked_for: the budgets (bytes) for which :func:`plan` picked this point.
+      note: why a point is not measured.
+    """
+
+    key: str
+    kind: str
+    temp_bytes: int | None
+    recompute_flops: float | None
+    step_time_s: float | None = None
+    pareto: bool = False
+    picked_for: tuple[int, ...] = ()
+    note: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Frontier:
+    """The Pareto frontier of (temp, recompute) over the presets and the planner's plans.
+
+    Attributes:
+      points: every point, by increasing temp (unmeasurable ones last).
+      plans: the planner's :class:`Plan` for each budget of the sweep.
+      chosen: the plan for ``frontier(budget=...)``, marked in :meth:`plot` (or None).
+      baseline_flops: FLOPs of the no-remat gradient.
+      compiles: AOT compiles in all; seconds: wall time in all.
+    """
+
+    points: tuple[FrontierPoint, ...]
+    plans: tuple[Plan, ...]
+    chosen: Plan | None
+    baseline_flops: float
+    compiles: int
+    seconds: float
+
+    def pareto(self) -> list[FrontierPoint]:
+        """The points on the frontier, by increasing temp."""
+        return [p for p in self.points if p.pareto]
+
+    def point(self, key: str) -> FrontierPoint:
+        """The point of a candidate key (``"preset dots"``, ``"no remat"``...)."""
+        for p in self.points:
+            if p.key == key:
+                return p
+        raise KeyError(f"Frontier: no point {key!r}; keys: {', '.join(p.key for p in self.points)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The frontier as plain data."""
+        return {
+            "points": [dataclasses.asdict(p) for p in self.points],
+            "plans": [p.to_dict() for p in self.plans],
+            "chosen": None if self.chosen is None else self.chosen.to_dict(),
+            "baseline_flops": self.baseline_flops,
+            "compiles": self.compiles,
+            "seconds": self.seconds,
+        }
+
+    def to_json(self) -> str:
+        """The frontier as a JSON string."""
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    def __str__(self) -> str:
+        rows = [
+            f"Frontier: {len(self.points)} points, {self.compiles} compiles, {self.seconds:.1f} s"
+            f" (recompute as % of the no-remat gradient's {self.baseline_flops:.4g} FLOPs)",
+            f"  {'temp MiB':>9} {'recompute':>9} {'time ms':>8}  {'':1} {'kind':8} candidate",
+        ]
+        for p in self.points:
+            temp = "-" if p.temp_bytes is None else f"{p.temp_bytes / 2**20:.3f}"
+            pct = (
+                "-"
+                if p.recompute_flops is None
+                else f"{100 * p.recompute_flops / max(self.baseline_flops, 1):.1f}%"
+            )
+            ms = "-" if p.step_time_s is None else f"{1e3 * p.step_time_s:.2f}"
+            mark = "*" if p.pareto else " "
+            notes = [p.note] if p.note else []
+            if p.picked_for:
+                mibs = ", ".join(f"{b / 2**20:.3f}" for b in p.picked_for)
+                notes.append(f"planned for {mibs} MiB")
+            note = f"  ({'; '.join(notes)})" if notes else ""
+            rows.append(f"  {temp:>9} {pct:>9} {ms:>8}  {mark} {p.kind:8} {p.key}{note}")
+        rows.append("  * on the Pareto frontier (no other point has less temp and fewer FLOPs)")
+        return "\n".join(rows)
+
+    def plot(self, path: str | None = None, *, y: str = "flops", title: str | None = None):
+        """Memory vs recompute (or step time): presets labelled, plans and the chosen marked.
+
+        Args:
+          path: where to save the figure (PNG, ...); None only returns it.
+          y: ``"flops"`` (recompute FLOPs, % of the no-remat gradient) or ``"time"`` (measured
+            step time: needs ``frontier(time=True)``).
+          title: the figure title.
+
+        Returns:
+          The matplotlib figure.
+
+        Raises:
+          ValueError: ``y`` is neither, or ``"time"`` without measured times.
+        """
+        if y not in ("flops", "time"):
+            raise ValueError(f"Frontier.plot: y must be 'flops' or 'time', got {y!r}")
+        if y == "time" and not any(p.step_time_s is not None for p in self.points):
+            raise ValueError("Frontier.plot(y='time'): no step times; run frontier(time=True)")
+        import matplotlib
+
+        if path is not None:
+            matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+
+        def yval(p):
+            if y == "time":
+                return None if p.step_time_s is None else 1e3 * p.step_time_s
+            if p.recompute_flops is None:
+                return None
+            return 100 * p.recompute_flops / max(self.baseline_flops, 1)
+
+        pts = [p for p in self.points if p.temp_bytes is not None and yval(p) is not None]
+        fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+        trial = [p for p in pts if p.kind not in ("preset", "no remat")]
+        ax.scatter(
+            [p.temp_bytes / 2**20 for p in trial],
+            [yval(p) for p in trial],
+            s=14,
+            color="0.7",
+            label="other candidates compiled",
+            zorder=2,
+        )
+        front = sorted((p for p in pts if p.pareto), key=lambda p: p.temp_bytes)
+        ax.step(
+            [p.temp_bytes / 2**20 for p in front],
+            [yval(p) for p in front],
+            where="post",
+            color="tab:green",
+            lw=1.2,
+            label="Pareto frontier",
+            zorder=1,
+        )
+        for p in pts:
+            if p.kind in ("preset", "no remat"):
+                ax.scatter(
+                    p.temp_bytes / 2**20, yval(p), s=40, marker="s", color="tab:orange", zorder=3
+                )
+                ax.annotate(
+                    "nothing (full remat)"
+                    if p.key == "save nothing"
+                    else p.key.removeprefix("preset "),
+                    (p.temp_bytes / 2**20, yval(p)),
+                    textcoords="offset points",
+                    xytext=(5, 4),
+                    fontsize=8,
+                )
+        plans = [p for p in pts if p.picked_for]
+        ax.scatter(
+            [p.temp_bytes / 2**20 for p in plans],
+            [yval(p) for p in plans],
+            s=50,
+            facecolors="none",
+            edgecolors="tab:blue",
+            linewidths=1.5,
+            label="planner's picks (sweep budgets)",
+            zorder=4,
+        )
+        if self.chosen is not None and self.chosen.measured_temp_bytes is not None:
+            key = self.chosen.candidate.key if not self.chosen.no_remat else "no remat"
+            chosen = next((p for p in pts if p.key == key), None)
+            if chosen is not None:
+                ax.scatter(
+                    chosen.temp_bytes / 2**20,
+                    yval(chosen),
+                    s=180,
+                    marker="*",
+                    color="tab:red",
+                    label="chosen plan",
+                    zorder=5,
+                )
+            if self.chosen.budget is not None:
+                ax.axvline(
+                    self.chosen.budget / 2**20, color="tab:red", ls=":", lw=1, label="budget"
+                )
+        ax.set_xlabel("gradient temp memory (MiB, compiled)")
+        ax.set_ylabel(
+            "step time (ms)" if y == "time" else "recompute FLOPs (% of the no-remat gradient)"
+        )
+        ax.set_title(title or "Memory vs recompute: presets (squares) and planned policies")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="upper right")
+        fig.tight_layout()
+        if path is not None:
+            fig.savefig(path)
+        return fig
+
+
+def _pareto_keys(measured: dict[str, tuple[int, float]]) -> set[str]:
+    keys = set()
+    for k, (t, f) in measured.items():
+        dominated = any(
+            (t2 <= t and f2 <= f) and (t2 < t or f2 < f) for k2, (t2, f2) in measured.items()
+        )
+        if not dominated:
+            keys.add(k)
+    return keys
+
+
+def frontier(
+    loss_fn: Callable,
+    *args: Any,
+    budgets: int | Sequence[int] = 5,
+    budget: int | None = None,
+    argnums: int | Sequence[int] = 0,
+    max_compiles: int = 16,
+    time: bool = False,
+) -> Frontier:
+    """The memory / recompute frontier of ``loss_fn``'s gradient: presets and planned policies.
+
+    Compiles the presets (:data:`PRESETS`) and no remat, then runs :func:`plan` for each of
+    ``budgets`` (spread between full remat's temp and no remat's, reusing every earlier
+    measurement), and marks which points are Pareto-optimal.
+
+    Args:
+      loss_fn: the loss (its stacks use ``policy="auto"``, as for :func:`plan`).
+      *args: its arguments (arrays or ``jax.ShapeDtypeStruct``).
+      budgets: how many budgets to plan for, evenly spread from full remat to no remat, or the
+        budgets themselves (bytes; those below full remat are skipped with a note).
+      budget: a budget whose plan is :attr:`Frontier.chosen` (marked in the plot).
+      argnums: as in :func:`jax.grad`.
+      max_compiles: per :func:`plan` call.
+      time: also measure each preset's and each plan's step time (interleaved; needs arrays).
+
+    Returns:
+      A :class:`Frontier`.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, jaxmem
+      >>> def loss(w, xs):
+      ...     def step(h, x):
+      ...         a = jaxmem.name(jnp.sin(h @ w + x), "mlp_in")
+      ...         b = jaxmem.name(jnp.cos(a @ w), "mlp_act")
+      ...         return jnp.tanh(b @ w), None
+      ...     return jaxmem.scan(step, jnp.zeros((2, 8)), xs, policy="auto")[0].sum()
+      >>> f = jaxmem.frontier(loss, jnp.eye(8), jnp.ones((4, 2, 8)), budgets=2)
+      >>> f.point("no remat").recompute_flops
+      0.0
+      >>> all(p.pareto for p in f.points if p.key == "no remat")
+      True
+    """
+    caller = "jaxmem.frontier"
+    start = _time.perf_counter()
+    if budget is not None:
+        budget = _check_budget(budget, caller)
+    loose = plan(loss_fn, *args, budget=2**62, argnums=argnums, max_compiles=max_compiles)
+    compiles = loose.compiles
+    measured = {k: (t, f) for k, t, f in loose.trials}
+    lo = min(t for t, _ in measured.values())
+    hi = measured["no remat"][0]
+    if isinstance(budgets, int) and not isinstance(budgets, bool):
+        if budgets < 0:
+            raise ValueError(f"{caller}: budgets={budgets}; give a count >= 0 or a list of bytes")
+        sweep = [int(b) for b in np.linspace(lo, hi, budgets)] if budgets > 1 else [lo][:budgets]
+    else:
+        sweep = [_check_budget(b, caller) for b in budgets]
+    if budget is not None:
+        sweep.append(budget)
+    plans, notes = [], {}
+    for b in sweep:
+        if b < lo:
+            notes.setdefault("budget", []).append(b)
+            continue
+        trials = [(k, t, f) for k, (t, f) in measured.items()]
+        p = plan(loss_fn, *args, budget=b, argnums=argnums, max_compiles=max_compiles, known=trials)
+        compiles += p.compiles
+        measured.update({k: (t, f) for k, t, f in p.trials})
+        plans.append(p)
+    chosen = next((p for p in plans if p.budget == budget), None) if budget is not None else None
+
+    base = loose.baseline_flops or 0.0
+    picks: dict[str, list[int]] = {}
+    for p in plans:
+        picks.setdefault("no remat" if p.no_remat else p.candidate.key, []).append(p.budget)
+    pareto = _pareto_keys(measured)
+    times: dict[str, float] = {}
+    if time:
+        timed = {"no remat", "save nothing", *(f"preset {n}" for n in PRESETS[1:]), *picks}
+        keys = sorted(timed & set(measured))
+        search = _Search(jax.grad(loss_fn, argnums=argnums), args, 0)
+        cands = [Candidate.from_key(k) for k in keys]
+        times = dict(zip(keys, _time_gradients(search, cands), strict=True))
+
+    def kind(k):
+        c = Candidate.from_key(k)
+        if c.no_remat:
+            return "no remat"
+        if c.offload:
+            return "offload"
+        if c.checkpoints is not None:
+            return "checkpoints"
+        if c.preset is not None or not c.save:
+            return "preset"
+        return "names"
+
+    points = []
+    for k, (t, f) in sorted(measured.items(), key=lambda kv: (kv[1][0], kv[1][1], kv[0])):
+        note = "the preset nothing: full remat" if k == "save nothing" else ""
+        picked = tuple(picks.get(k, ()))
+        points.append(
+            FrontierPoint(k, kind(k), t, f - base, times.get(k), k in pareto, picked, note)
+        )
+    if not _offload_measurable():
+        names = sorted({n for p in plans + [loose] for n in p.save | p.recompute})
+        points.append(
+            FrontierPoint(
+                Candidate(offload=frozenset(names)).key,
+                "offload",
+                None,
+                None,
+                note=f"not measurable here ({jax.default_backend()}: host offload is the identity)",
+            )
+        )
+    if notes:
+        points.append(
+            FrontierPoint(
+                "below reach",
+                "names",
+                None,
+                None,
+                note="budgets below the smallest reachable temp skipped: "
+                + ", ".join(str(b) for b in notes["budget"]),
+            )
+        )
+    return Frontier(
+        points=tuple(points),
+        plans=tuple(plans),
+        chosen=chosen,
+        baseline_flops=base,
+        compiles=compiles,
+        seconds=_time.perf_counter() - start,
     )

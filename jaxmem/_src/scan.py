@@ -968,6 +968,7 @@ def scan_residuals(f: Callable, init: Any, xs: Any = None, length: int | None = 
     for argname, tree in (("init", init), ("xs", xs)):
         _check_leaves(tree, argname, fname, allow_structs=True)
     plans = []
+    checkpoints = _auto.resolve_checkpoints(kwargs.get("policy"), kwargs.get("checkpoints"))
     f = _apply_policy(f, kwargs.get("policy"), fname)
     offload = _check_offload(kwargs.get("offload"), fname)
 
@@ -987,7 +988,7 @@ def scan_residuals(f: Callable, init: Any, xs: Any = None, length: int | None = 
         )
         step = lean.plan.step
         schedule = None
-        slots = _check_checkpoints(kwargs.get("checkpoints"), offload, n, fname)
+        slots = _check_checkpoints(checkpoints, offload, n, fname)
         if slots is not None:
             carry_bytes = sum(_jc.nbytes(v.aval) for v in step.carry_invars)
             schedule = _schedule.describe(n, slots, carry_bytes)
@@ -1091,6 +1092,7 @@ def scan(
       True
     """
     fname = "jaxmem.scan"
+    checkpoints = _auto.resolve_checkpoints(policy, checkpoints)
     f = _apply_policy(f, policy, fname)
     offload = _check_offload(offload, fname)
     body, init_leaves, xs_leaves, _, length, unroll, recompute = _prepare(
