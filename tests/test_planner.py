@@ -53,24 +53,37 @@ def gpt():
         p: _compiled(jax.grad(model_loss(jaxmem.policies.by_name(p))), params, tokens)
         for p in PRESETS
     }
-    front = jaxmem.frontier(loss, params, tokens, budgets=5, max_compiles=3)
+    presets["no remat"] = _compiled(jax.grad(model_loss(None)), params, tokens)
+    # Five budgets from the smallest preset temp to no remat's; the middle one is also chosen
+    # (planned again from what the sweep measured: no compile).
+    lo = min(t for t, _ in presets.values())
+    hi = presets["no remat"][0]
+    budgets = [lo + i * (hi - lo) // 4 for i in range(5)]
+    front = jaxmem.frontier(
+        loss, params, tokens, budgets=budgets, budget=budgets[2], max_compiles=3
+    )
     return loss, params, tokens, ref, presets, front
 
 
 def test_frontier_plans_fit_and_beat_every_fitting_preset(gpt):
     *_, presets, front = gpt
     assert len(front.plans) == 5
-    full, no_remat = presets["nothing"][0], front.point("no remat").temp_bytes
+    assert front.point("no remat").temp_bytes == presets["no remat"][0]
     budgets = [p.budget for p in front.plans]
-    assert budgets == sorted(budgets) and budgets[-1] == no_remat
-    assert budgets[0] <= full  # From the smallest temp the presets and ends reach.
     base = front.baseline_flops
+    dots = front.point("preset dots")  # The same program as policy=dots: the same figures.
+    assert (dots.temp_bytes, dots.recompute_flops + base) == pytest.approx(presets["dots"])
+    assert base == presets["no remat"][1]
     for p in front.plans:
         assert p.measured_temp_bytes <= p.budget
-        fitting = [f - base for t, f in presets.values() if t <= p.budget]
+        fitting = [f - base for k, (t, f) in presets.items() if t <= p.budget and k in PRESETS]
         if fitting:  # Never more recompute than the cheapest preset that fits.
             assert p.recompute_flops <= min(fitting) + 1e-6 * base, (str(p), presets)
         assert p.compiles <= 3
+    chosen = front.chosen
+    assert chosen.budget == budgets[2] and chosen.compiles == 0
+    assert chosen.candidate == front.plans[2].candidate
+    assert f"chosen for {chosen.budget / 2**20:.3f} MiB" in str(front)
     # The cheapest fitting candidate strictly below no remat recomputes something.
     assert front.plans[-1].no_remat and front.plans[-1].recompute_flops == 0
     assert front.plans[0].recompute_flops > 0

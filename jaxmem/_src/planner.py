@@ -791,7 +791,8 @@ class Frontier:
 
     Attributes:
       points: every point, by increasing temp (unmeasurable ones last).
-      plans: the planner's :class:`Plan` for each budget of the sweep.
+      plans: the planner's :class:`Plan` for each budget of the sweep (below-reach budgets
+        skipped).
       chosen: the plan for ``frontier(budget=...)``, marked in :meth:`plot` (or None).
       baseline_flops: FLOPs of the no-remat gradient.
       compiles: AOT compiles in all; seconds: wall time in all.
@@ -852,6 +853,12 @@ class Frontier:
             note = f"  ({'; '.join(notes)})" if notes else ""
             rows.append(f"  {temp:>9} {pct:>9} {ms:>8}  {mark} {p.kind:8} {p.key}{note}")
         rows.append("  * on the Pareto frontier (no other point has less temp and fewer FLOPs)")
+        if self.chosen is not None:
+            c = self.chosen
+            rows.append(
+                f"  chosen for {c.budget / 2**20:.3f} MiB: "
+                f"{'no remat' if c.no_remat else c.candidate.key}"
+            )
         return "\n".join(rows)
 
     def plot(self, path: str | None = None, *, y: str = "flops", title: str | None = None):
@@ -981,6 +988,7 @@ def frontier(
     argnums: int | Sequence[int] = 0,
     max_compiles: int = 16,
     time: bool = False,
+    known: Sequence[tuple[str, int, float]] = (),
 ) -> Frontier:
     """The memory / recompute frontier of ``loss_fn``'s gradient: presets and planned policies.
 
@@ -993,10 +1001,13 @@ def frontier(
       *args: its arguments (arrays or ``jax.ShapeDtypeStruct``).
       budgets: how many budgets to plan for, evenly spread from full remat to no remat, or the
         budgets themselves (bytes; those below full remat are skipped with a note).
-      budget: a budget whose plan is :attr:`Frontier.chosen` (marked in the plot).
+      budget: a budget whose plan is :attr:`Frontier.chosen` (marked in the plot; the budget
+        must be reachable, else ``chosen`` is None and a point notes it).
       argnums: as in :func:`jax.grad`.
       max_compiles: per :func:`plan` call.
       time: also measure each preset's and each plan's step time (interleaved; needs arrays).
+      known: measurements to reuse, as for :func:`plan` (e.g. an earlier plan's
+        :attr:`Plan.trials`).
 
     Returns:
       A :class:`Frontier`.
@@ -1019,7 +1030,9 @@ def frontier(
     start = _time.perf_counter()
     if budget is not None:
         budget = _check_budget(budget, caller)
-    loose = plan(loss_fn, *args, budget=2**62, argnums=argnums, max_compiles=max_compiles)
+    loose = plan(
+        loss_fn, *args, budget=2**62, argnums=argnums, max_compiles=max_compiles, known=known
+    )
     compiles = loose.compiles
     measured = {k: (t, f) for k, t, f in loose.trials}
     lo = min(t for t, _ in measured.values())
@@ -1030,10 +1043,8 @@ def frontier(
         sweep = [int(b) for b in np.linspace(lo, hi, budgets)] if budgets > 1 else [lo][:budgets]
     else:
         sweep = [_check_budget(b, caller) for b in budgets]
-    if budget is not None:
-        sweep.append(budget)
-    plans, notes = [], {}
-    for b in sweep:
+    plans, notes, chosen = [], {}, None
+    for i, b in enumerate([*sweep, *([] if budget is None else [budget])]):
         if b < lo:
             notes.setdefault("budget", []).append(b)
             continue
@@ -1041,12 +1052,14 @@ def frontier(
         p = plan(loss_fn, *args, budget=b, argnums=argnums, max_compiles=max_compiles, known=trials)
         compiles += p.compiles
         measured.update({k: (t, f) for k, t, f in p.trials})
-        plans.append(p)
-    chosen = next((p for p in plans if p.budget == budget), None) if budget is not None else None
+        if i < len(sweep):
+            plans.append(p)
+        else:
+            chosen = p
 
     base = loose.baseline_flops or 0.0
     picks: dict[str, list[int]] = {}
-    for p in plans:
+    for p in plans:  # The sweep's picks (the chosen plan is marked on its own).
         picks.setdefault("no remat" if p.no_remat else p.candidate.key, []).append(p.budget)
     pareto = _pareto_keys(measured)
     times: dict[str, float] = {}
