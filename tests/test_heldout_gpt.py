@@ -38,12 +38,6 @@ def auto():
     return make_loss(CFG, "auto", batch_size=2)
 
 
-@pytest.fixture(scope="module")
-def reference():
-    loss_fn, params, tokens = make_loss(CFG, None, batch_size=2)
-    return jax.jit(jax.grad(loss_fn))(params, tokens)
-
-
 def test_every_name_occurs(auto):
     loss_fn, params, tokens = auto
     jaxmem.Plan(save=USED).validate(loss_fn, params, tokens)
@@ -51,28 +45,47 @@ def test_every_name_occurs(auto):
         jaxmem.Plan(save=frozenset({"qkv_proj"})).validate(loss_fn, params, tokens)
 
 
-@pytest.mark.parametrize(
-    "plan",
-    [
-        jaxmem.Plan(save=frozenset()),
-        jaxmem.Plan(save=frozenset({"decoder_layer_input", "attention_out", "mlp_in"})),
-        NO_REMAT,
-    ],
-    ids=["nothing", "middle", "no_remat"],
-)
-def test_plans_keep_gradients(auto, reference, plan):
+PLANS = {
+    "nothing": jaxmem.Plan(save=frozenset()),
+    "middle": jaxmem.Plan(save=frozenset({"decoder_layer_input", "attention_out", "mlp_in"})),
+    "no_remat": NO_REMAT,
+}
+
+
+@pytest.fixture(scope="module")
+def gradients(auto):
+    """The gradient under each plan, that of the model with policy=None, the loss: one compile.
+
+    The plan is resolved while tracing, so each ``jax.grad`` traced inside its ``use_plan``
+    block gets that plan's policy; one jit holding all of them keeps the test fast.
+    """
     loss_fn, params, tokens = auto
-    with jaxmem.use_plan(plan):
-        got = jax.jit(jax.grad(loss_fn))(params, tokens)
+    ref_loss, ref_params, _ = make_loss(CFG, None, batch_size=2)
+
+    @jax.jit
+    def all_grads(params, ref_params, tokens):
+        out = {"reference": jax.grad(ref_loss)(ref_params, tokens)}
+        for key, plan in PLANS.items():
+            with jaxmem.use_plan(plan):
+                out[key] = jax.grad(loss_fn)(params, tokens)
+        with jaxmem.use_plan(NO_REMAT):
+            out["loss"] = loss_fn(params, tokens)
+        return out
+
+    return all_grads(params, ref_params, tokens)
+
+
+@pytest.mark.parametrize("plan", list(PLANS))
+def test_plans_keep_gradients(gradients, plan):
     jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, reference
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+        gradients[plan],
+        gradients["reference"],
     )
 
 
-def test_initial_loss_near_uniform(auto):
-    loss_fn, params, tokens = auto
-    with jaxmem.use_plan(NO_REMAT):
-        loss = float(loss_fn(params, tokens))
+def test_initial_loss_near_uniform(gradients):
+    loss = float(gradients["loss"])
     assert math.isfinite(loss)
     assert abs(loss - math.log(CFG.vocab_size)) < 0.2
 
