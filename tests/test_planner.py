@@ -166,6 +166,37 @@ def test_plan_json_round_trip_and_str(gpt):
 
 
 # ---------------------------------------------------------------------------------------------
+# The held-out GPT (benchmarks.heldout_gpt: Flax NNX, RMSNorm, separate q/k/v, RoPE, SwiGLU),
+# written apart from the planner.
+
+
+def test_heldout_gpt_plans_fit_and_beat_every_fitting_preset():
+    pytest.importorskip("flax")
+    from benchmarks import heldout_gpt
+
+    cfg = heldout_gpt.HeldoutConfig(
+        vocab_size=64, seq_len=16, num_layers=2, d_model=32, num_heads=2, d_ff=64
+    )
+    loss, params, tokens = heldout_gpt.make_loss(cfg, policy="auto", batch_size=2)
+    front = jaxmem.frontier(loss, params, tokens, budgets=5, max_compiles=3)
+    base = front.baseline_flops
+    presets = [p for p in front.points if p.kind == "preset"]
+    assert {p.key for p in presets} == {"save nothing"} | {f"preset {n}" for n in PRESETS[1:]}
+    assert len(front.plans) == 5 and front.plans[-1].no_remat
+    for p in front.plans:
+        assert p.measured_temp_bytes <= p.budget
+        fitting = [q.recompute_flops for q in presets if q.temp_bytes <= p.budget]
+        if fitting:
+            assert p.recompute_flops <= min(fitting) + 1e-6 * base, str(p)
+    middle = front.plans[2]
+    assert not middle.no_remat and middle.recompute_flops > 0
+    ref_loss, *_ = heldout_gpt.make_loss(cfg, policy=None, batch_size=2)
+    with jaxmem.use_plan(middle):
+        got = jax.jit(jax.grad(loss))(params, tokens)
+    _close(got, jax.jit(jax.grad(ref_loss))(params, tokens))
+
+
+# ---------------------------------------------------------------------------------------------
 # A long RNN: below full remat, the plan turns on binomial checkpointing.
 
 

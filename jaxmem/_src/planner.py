@@ -32,10 +32,12 @@ traced inside the block. :func:`frontier` maps the whole memory / recompute trad
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
 import math
+import os
 import statistics
 import time as _time
 from collections.abc import Callable, Iterator, Sequence
@@ -460,6 +462,25 @@ class _Search:
         self.results[cand] = result
         return result
 
+    def measure_many(self, cands: Sequence[Candidate]) -> None:
+        """Measures ``cands`` (those within ``max_compiles``, in order), compiling in threads.
+
+        XLA compiles outside the GIL, so on a machine with several cores the independent
+        compiles of the search's first round overlap.
+        """
+        todo = [c for c in dict.fromkeys(cands) if c not in self.results]
+        todo = todo[: max(self.max_compiles - self.compiles, 0)]
+        workers = min(len(todo), os.cpu_count() or 1)
+        if workers <= 1:
+            for c in todo:
+                self.measure(c)
+            return
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            compiled = list(pool.map(self.compile, todo))
+        for c, comp in zip(todo, compiled, strict=True):
+            self.compiles += 1
+            self.results[c] = (int(comp.memory_analysis().temp_size_in_bytes), _flops(comp))
+
     def fitting(self, budget: int) -> list[tuple[float, int, Candidate]]:
         """Measured candidates within ``budget``: ``(flops, temp, candidate)``, cheapest first."""
         fits = [(f, t, c) for c, (t, f) in self.results.items() if t <= budget]
@@ -515,12 +536,15 @@ def _greedy(
     stale = 0  # Compiles since the cheapest fitting FLOPs last went down.
     while candidate is not None and stale < _PATIENCE:
         visited[candidate] = int(predict(candidate))
-        before = cheapest()
+        before, compiles = cheapest(), search.compiles
         try:
             temp, _ = search.measure(Candidate(save=candidate))
         except _OutOfCompiles:
             break
-        stale = 0 if cheapest() < before else stale + 1
+        if cheapest() < before:
+            stale = 0
+        elif search.compiles > compiles:  # Measurements reused from `known` are free.
+            stale += 1
         offset = temp - predict(candidate)  # Correct the next prediction by this one's error.
         if temp <= budget:
             grow = [candidate | {e.name} for e in ranked if e.name not in candidate]
@@ -687,14 +711,13 @@ def plan(
     full = Candidate(save=frozenset())
     no_remat = Candidate(no_remat=True)
     every = Candidate(save=names)
-    _, base_flops = search.measure(no_remat)
-    search.measure(every)
-    lo, _ = search.measure(full)
-    predicted: dict[Candidate, int] = {}
+    first = [no_remat, every, full]
     if presets:
-        for p in PRESETS[1:]:  # "nothing" is `full`.
-            with contextlib.suppress(_OutOfCompiles):
-                search.measure(Candidate(preset=p))
+        first += [Candidate(preset=p) for p in PRESETS[1:]]  # "nothing" is `full`.
+    search.measure_many(first)
+    _, base_flops = search.results[no_remat]
+    lo, _ = search.results[full]
+    predicted: dict[Candidate, int] = {}
     if not search.fitting(budget):
         if checkpoints:
             with contextlib.suppress(_OutOfCompiles):
@@ -796,6 +819,17 @@ class Frontier:
       chosen: the plan for ``frontier(budget=...)``, marked in :meth:`plot` (or None).
       baseline_flops: FLOPs of the no-remat gradient.
       compiles: AOT compiles in all; seconds: wall time in all.
+
+    Examples:
+      >>> f = Frontier(
+      ...     points=(FrontierPoint("no remat", "no remat", 300, 0.0, pareto=True),
+      ...             FrontierPoint("preset dots", "preset", 200, 10.0, pareto=True),
+      ...             FrontierPoint("preset everything", "preset", 300, 5.0)),
+      ...     plans=(), chosen=None, baseline_flops=100.0, compiles=3, seconds=1.0)
+      >>> [p.key for p in f.pareto()]
+      ['no remat', 'preset dots']
+      >>> f.point("preset dots").temp_bytes
+      200
     """
 
     points: tuple[FrontierPoint, ...]

@@ -1034,8 +1034,9 @@ def scan(
       policy: a remat policy applied to each step, as ``jax.checkpoint(f, policy=policy)``
         (a :mod:`jaxmem.policies` policy or one of ``jax.checkpoint_policies``); the residuals it
         saves are then deduplicated as without a policy. ``"auto"``: the policy of the
-        :func:`jaxmem.use_plan` active when the step is traced (no remat outside any plan, with
-        a one-time warning).
+        :func:`jaxmem.use_plan` active when the step is traced, and its ``checkpoints`` where
+        this call gives none (no remat outside any plan, with a one-time warning); the plan is
+        part of ``jax.jit``'s cache key.
       offload: keep stacked values in host memory (``pinned_host``) between the forward and the
         backward pass, each step's slice brought back in the backward loop: ``"residuals"`` (the
         partial activations), ``"carries"`` (the kept carry sequence), ``"all"``, or a tuple of
