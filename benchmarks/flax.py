@@ -30,6 +30,10 @@ from jaxmem.demo import models
 from jaxmem.flax import linen as jl
 from jaxmem.flax import nnx as jn
 
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+"""XLA options for tests (``compiler_options=FAST_COMPILE``): no LLVM optimization, a faster
+compile on CPU. Buffer assignment (hence temp bytes) runs before code generation: the same."""
+
 POLICIES = (None, "nothing", "dots", "selective")
 
 
@@ -40,7 +44,7 @@ class _PairBlock(models.Block):
         return models.Block.__call__(self, h), None
 
 
-def temp_bytes(model, shape) -> int:
+def temp_bytes(model, shape, compiler_options: dict | None = None) -> int:
     """Compiled temp bytes of ``jit(grad(mean(model(h)**2)))`` w.r.t. params and ``h[shape]``."""
     h = jax.ShapeDtypeStruct(shape, jnp.float32)
     params = jax.eval_shape(model.init, jax.random.key(0), h)["params"]
@@ -50,7 +54,8 @@ def temp_bytes(model, shape) -> int:
         out = out[0] if isinstance(out, tuple) else out
         return jnp.mean(out**2)
 
-    compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, h).compile()
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)), compiler_options=compiler_options)
+    compiled = grad.lower(params, h).compile()
     return compiled.memory_analysis().temp_size_in_bytes
 
 
@@ -105,7 +110,7 @@ def _nnx_scan_loss(policy):
     return loss
 
 
-def nnx_temp_bytes(module, loss, shape) -> int:
+def nnx_temp_bytes(module, loss, shape, compiler_options: dict | None = None) -> int:
     """Compiled temp bytes of ``jit(grad(loss))`` w.r.t. the module's state and ``h[shape]``."""
     graphdef, state = nnx.split(module)
     h = jnp.asarray(np.random.default_rng(0).normal(size=shape), jnp.float32)
@@ -113,12 +118,22 @@ def nnx_temp_bytes(module, loss, shape) -> int:
     def pure(state, h):
         return loss(nnx.merge(graphdef, state), h)
 
-    compiled = jax.jit(jax.grad(pure, argnums=(0, 1))).lower(state, h).compile()
+    grad = jax.jit(jax.grad(pure, argnums=(0, 1)), compiler_options=compiler_options)
+    compiled = grad.lower(state, h).compile()
     return compiled.memory_analysis().temp_size_in_bytes
 
 
-def measure_nnx(layers: int, batch: int, seq: int, d: int, heads: int, d_ff: int) -> list[dict]:
-    """One row per policy: temp bytes of ScanLayers and of nnx.scan over the same layers."""
+def measure_nnx(
+    layers: int,
+    batch: int,
+    seq: int,
+    d: int,
+    heads: int,
+    d_ff: int,
+    compiler_options: dict | None = None,
+) -> list[dict]:
+    """One row per policy: temp bytes of ScanLayers and of nnx.scan over the same layers
+    (``compiler_options``: XLA options of every compile, e.g. :data:`FAST_COMPILE`)."""
     rows = []
     for name in POLICIES:
         ours = jn.ScanLayers(
@@ -126,8 +141,9 @@ def measure_nnx(layers: int, batch: int, seq: int, d: int, heads: int, d_ff: int
         )
         policy = None if name is None else policies.by_name(name)
         shape = (batch, seq, d)
-        o = nnx_temp_bytes(ours, lambda m, h: jnp.mean(m(h) ** 2), shape)
-        s = nnx_temp_bytes(ours.layers, _nnx_scan_loss(policy), shape)
+        loss = lambda m, h: jnp.mean(m(h) ** 2)
+        o = nnx_temp_bytes(ours, loss, shape, compiler_options)
+        s = nnx_temp_bytes(ours.layers, _nnx_scan_loss(policy), shape, compiler_options)
         rows.append({"policy": name or "no remat", "nnx_scan": s, "ScanLayers": o, "ratio": o / s})
     return rows
 

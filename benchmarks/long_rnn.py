@@ -36,8 +36,8 @@ measure FAILs the criteria that read it):
 (b) ``checkpoints="sqrt"``: temp at T=8192 <= 6x temp at T=512.
 
 ``--quick`` (for tests) uses B=2, H=8, x width 4, T in 16 64, k=4, a sweep over k in 2 8 at
-T=64 and 2 repeats; its criteria are the same bounds at T=64 (a) and T=16 vs 64 (b), and say
-nothing about the issue's sizes.
+T=64 and 2 repeats, compiled without LLVM optimization; its criteria are the same bounds at T=64
+(a) and T=16 vs 64 (b), and say nothing about the issue's sizes.
 
 Usage: ``python -m benchmarks.long_rnn [--quick] [--json PATH] [--lengths T ...]
 [--checkpoints K] [--sweep-length T] [--sweep K ...] [--repeats N] [--no-check]``.
@@ -125,6 +125,7 @@ class Config:
       repeats: timed runs per column.
       accept_length: the T of criterion (a).
       sqrt_lengths: the shortest and longest T of criterion (b).
+      fast_compile: compile with :data:`FAST_COMPILE` (the same temp bytes, slower code).
     """
 
     sizes: Sizes
@@ -135,7 +136,12 @@ class Config:
     repeats: int
     accept_length: int
     sqrt_lengths: tuple[int, int]
+    fast_compile: bool = False
 
+
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+"""XLA options of ``--quick``: no LLVM optimization, a faster compile on CPU. Buffer assignment
+(hence temp bytes) runs before code generation and is the same; the times are of slower code."""
 
 DEFAULT = Config(
     Sizes(batch=16, hidden=256, x_width=64),
@@ -158,6 +164,7 @@ QUICK = Config(
     repeats=2,
     accept_length=64,
     sqrt_lengths=(16, 64),
+    fast_compile=True,
 )
 """Tiny sizes for tests (``--quick``)."""
 
@@ -311,7 +318,8 @@ def measure_point(
     for label, impl in impls.items():
         col = point.columns[label] = Column(label)
         try:
-            compiled[label] = jax.jit(grad_fn(impl)).lower(*args).compile()
+            options = FAST_COMPILE if config.fast_compile else None
+            compiled[label] = jax.jit(grad_fn(impl)).lower(*args).compile(options)
         except Exception as e:  # noqa: BLE001 - a failing column is reported, not fatal.
             col.error = harness._error_text(e)
             continue

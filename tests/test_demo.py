@@ -181,9 +181,14 @@ def test_linear_ce_loss_equals_the_logits_loss(tied):
         d_ff=32,
         tie_embeddings=tied,
     )
-    tokens = jax.random.randint(jax.random.key(3), (2, 8), 0, cfg.vocab_size)
-    params = models.GPT(cfg).init(jax.random.key(0), tokens)["params"]
-    ref = jax.value_and_grad(models.next_token_loss(models.GPT(cfg)))(params, tokens)
-    got = jax.value_and_grad(models.linear_ce_next_token_loss(models.GPT(cfg)))(params, tokens)
+    rng = np.random.default_rng(3)  # numpy, and one compile per loss: op by op is slower
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 8)), jnp.int32)
+    params = jax.tree.map(
+        lambda p: jnp.asarray(0.3 * rng.standard_normal(p.shape), p.dtype),
+        models.abstract_params(cfg),
+    )
+    jit = functools.partial(jax.jit, compiler_options=demo.FAST_COMPILE)
+    ref = jit(jax.value_and_grad(models.next_token_loss(models.GPT(cfg))))(params, tokens)
+    got = jit(jax.value_and_grad(models.linear_ce_next_token_loss(models.GPT(cfg))))(params, tokens)
     for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got), strict=True):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6 * float(np.max(np.abs(a))))
