@@ -13,6 +13,10 @@ import pytest
 import jaxmem
 from jaxmem._src import auto as _auto
 
+# One xdist worker runs this module, so its module-scoped fixture is built once (the
+# Makefile runs pytest with --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("planner")
+
 NO_REMAT = jaxmem.Plan(no_remat=True)
 PRESETS = ("nothing", "dots_no_batch", "dots", "selective", "everything")
 
@@ -55,7 +59,7 @@ def gpt():
     }
     presets["no remat"] = _compiled(jax.grad(model_loss(None)), params, tokens)
     # Five budgets from the smallest preset temp to no remat's; the middle one is also chosen
-    # (planned again from what the sweep measured: no compile).
+    # (planned again after the sweep, from all it measured).
     lo = min(t for t, _ in presets.values())
     hi = presets["no remat"][0]
     budgets = [lo + i * (hi - lo) // 4 for i in range(5)]
@@ -80,9 +84,9 @@ def test_frontier_plans_fit_and_beat_every_fitting_preset(gpt):
         if fitting:  # Never more recompute than the cheapest preset that fits.
             assert p.recompute_flops <= min(fitting) + 1e-6 * base, (str(p), presets)
         assert p.compiles <= 3
-    chosen = front.chosen
-    assert chosen.budget == budgets[2] and chosen.compiles == 0
-    assert chosen.candidate == front.plans[2].candidate
+    chosen = front.chosen  # Planned last, knowing every measurement of the sweep.
+    assert chosen.budget == budgets[2] and chosen.measured_temp_bytes <= chosen.budget
+    assert chosen.recompute_flops <= front.plans[2].recompute_flops
     assert f"chosen for {chosen.budget / 2**20:.3f} MiB" in str(front)
     # The cheapest fitting candidate strictly below no remat recomputes something.
     assert front.plans[-1].no_remat and front.plans[-1].recompute_flops == 0

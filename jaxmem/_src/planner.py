@@ -23,7 +23,11 @@ plan returned was compiled and measured. The search is a sequence of named steps
 
 The plan is the fitting candidate with the fewest recompute FLOPs among all those measured
 (ties: the smaller temp), so it never recomputes more than the cheapest fitting preset. All
-compiles count against ``max_compiles``.
+compiles count against ``max_compiles``. The first round (the ends and the presets) compiles in
+threads (XLA compiles outside the GIL); on CPU every candidate compiles with LLVM's
+optimization off (``xla_backend_optimization_level=0``), which leaves the temp and FLOPs as they
+are (both are read from the HLO before LLVM runs; the tests compare them with default
+compiles) and compiles several times faster.
 
 Layer stacks opt in with ``policy="auto"`` (:func:`jaxmem.scan`, :mod:`jaxmem.flax` stacks);
 ``with use_plan(p):`` makes "auto" mean ``p.policy`` (and ``p.checkpoints``) for the stacks
@@ -56,6 +60,10 @@ PRESETS = ("nothing", "dots_no_batch", "dots", "selective", "everything")
 
 _MIN_COMPILES = 3  # no remat, save every name, save nothing
 _PATIENCE = 4  # The greedy stops after this many compiles that found nothing cheaper.
+# XLA:CPU assigns buffers and counts FLOPs on the optimized HLO, before LLVM compiles it, so
+# the measurements do not depend on LLVM's optimization level; level 0 compiles several times
+# faster (tests check the figures against a default compile).
+_FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
 def _offload_measurable() -> bool:
@@ -445,10 +453,12 @@ class _Search:
     max_compiles: int
     results: dict = dataclasses.field(default_factory=dict)  # Candidate -> (temp, flops)
     compiles: int = 0
+    fast: bool = False  # Measure with _FAST_COMPILE.
 
-    def compile(self, cand: Candidate):
+    def compile(self, cand: Candidate, *, for_running: bool = False):
+        options = _FAST_COMPILE if self.fast and not for_running else None
         with _auto.use_setting(cand.setting()):
-            return jax.jit(self.grad_fn).lower(*self.args).compile()
+            return jax.jit(self.grad_fn).lower(*self.args).compile(options)
 
     def measure(self, cand: Candidate) -> tuple[int, float]:
         """Compiles the gradient with "auto" meaning ``cand``: (temp bytes, FLOPs); cached."""
@@ -586,7 +596,7 @@ def _time_gradients(search: _Search, cands: Sequence[Candidate], rounds: int = 5
                     "jaxmem.plan(time=True) runs the gradient: give arrays, not "
                     "jax.ShapeDtypeStruct, as arguments."
                 )
-    compiled = [search.compile(c) for c in cands]
+    compiled = [search.compile(c, for_running=True) for c in cands]
     for c in compiled:
         jax.block_until_ready(c(*search.args))
     times: list[list[float]] = [[] for _ in cands]
@@ -694,7 +704,8 @@ def plan(
             'in a stack with policy="auto".'
         )
     names = frozenset(e.name for e in estimates)
-    search = _Search(jax.grad(loss_fn, argnums=argnums), args, max_compiles)
+    fast = jax.default_backend() == "cpu"
+    search = _Search(jax.grad(loss_fn, argnums=argnums), args, max_compiles, fast=fast)
     for key, temp, flops in known:
         search.results[Candidate.from_key(key)] = (int(temp), float(flops))
 

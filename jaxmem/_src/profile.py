@@ -16,7 +16,6 @@ upcast bf16 loop buffers to f32, so compare like with like.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -872,6 +871,18 @@ def _is_scalar_loss(out_info: Any) -> bool:
 # Public functions
 
 
+def _sorted_residuals(listing) -> tuple[Residual, ...]:
+    return tuple(sorted((_residual(r) for r in listing), key=lambda r: -r.bytes))
+
+
+def residuals_of(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Residual, ...]:
+    """The saved-residual listing of a scalar loss, as :attr:`MemoryReport.residuals` holds it.
+
+    Traces only (no compile). For callers that want the listing without the compiled figures.
+    """
+    return _sorted_residuals(saved_residuals(fn, *args, **kwargs))
+
+
 def profile(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> MemoryReport:
     """Compile ``fn`` on the given arguments and report its memory, with gradient residuals.
 
@@ -974,21 +985,6 @@ def compare(fns: Mapping[str, Callable[..., Any]], *args: Any, **kwargs: Any) ->
     return Comparison(reports)
 
 
-# Whether profile reads XLA's buffer assignment (off only inside ``_without_buffer_view``).
-_BUFFER_VIEW = [True]
-
-
-@contextlib.contextmanager
-def _without_buffer_view():
-    """Profiles made inside skip the buffer-level view (for callers that only want the
-    residual listing: the compile then writes no dump)."""
-    _BUFFER_VIEW.append(False)
-    try:
-        yield
-    finally:
-        _BUFFER_VIEW.pop()
-
-
 def _check_args(args: tuple[Any, ...], kwargs: dict[str, Any], caller: str) -> None:
     checks.check_traceable(args, "args", caller)
     checks.check_traceable(kwargs, "kwargs", caller)
@@ -1006,10 +1002,7 @@ def _profile(
 
     try:
         lowered = (fn if jitted else jax.jit(fn)).lower(*args, **kwargs)
-        if _BUFFER_VIEW[-1]:
-            compiled, buffers = compile_with_buffers(lowered)
-        else:
-            compiled, buffers = lowered.compile(), BufferDumpError("buffer view not asked for")
+        compiled, buffers = compile_with_buffers(lowered)
     except Exception as e:
         raise fail("trace or compile", e) from e
     buffer_error = None
@@ -1038,8 +1031,7 @@ def _profile(
                 "functools.partial)"
             )
             raise fail("list the gradient residuals of", e, hint) from e
-        items = [_residual(r) for r in listing]
-        residuals = tuple(sorted(items, key=lambda r: -r.bytes))
+        residuals = _sorted_residuals(listing)
 
     # The backend's peak, unless it is missing or below what the live ranges show (XLA:CPU's
     # counts arguments, outputs and constants only).

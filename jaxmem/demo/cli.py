@@ -212,11 +212,12 @@ def measure(
     jit = functools.partial(jax.jit, compiler_options=FAST_COMPILE if fast_compile else None)
     losses = {label: _loss(config, c) for label, c in configs.items()}
     grads = jaxmem.compare({k: jit(jax.grad(f)) for k, f in losses.items()}, params, tokens)
-    with _profile._without_buffer_view():  # only the residual listing is read from these
-        residuals = jaxmem.compare({k: jit(f) for k, f in losses.items()}, params, tokens)
+    # The listing of each loss: traced, not compiled.
     return jaxmem.Comparison(
         {
-            label: dataclasses.replace(report, residuals=residuals.reports[label].residuals)
+            label: dataclasses.replace(
+                report, residuals=_profile.residuals_of(losses[label], params, tokens)
+            )
             for label, report in grads.reports.items()
         }
     )
