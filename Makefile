@@ -39,7 +39,7 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	@$(PY) -c "import sys, jax; print('python', sys.version.split()[0], 'jax', jax.__version__)"
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -q $(TEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadscope -q $(TEST_ARGS)
 
 test-compat:
 	$(MAKE) test PYTHON=python3.11 TEST_ARGS="jaxmem tests README.md"

@@ -13,10 +13,6 @@ import pytest
 
 from benchmarks import flax as flax_bench
 
-# One xdist worker runs this module, so its module-scoped fixture is built once (the
-# Makefile runs pytest with --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("flax_nnx_memory")
-
 SIZES = (4, 2, 16, 32, 4, 128)  # L, B, S, D, H, F
 
 

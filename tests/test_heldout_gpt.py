@@ -32,10 +32,6 @@ USED = frozenset(
     }
 )
 
-# One xdist worker runs this module, so its module-scoped fixture is built once (the
-# Makefile runs pytest with --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("heldout_gpt")
-
 
 @pytest.fixture(scope="module")
 def auto():

@@ -12,10 +12,6 @@ import pytest
 from benchmarks import lm1b, lm1b_model
 from jaxmem.flax import linen as jl
 
-# One xdist worker runs this module, so its module-scoped fixture is built once (the
-# Makefile runs pytest with --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("lm1b")
-
 L, B, S, EMB = 3, 2, 4, 8
 CONFIG = lm1b_model.TransformerConfig(num_heads=2, qkv_dim=EMB, mlp_dim=16, deterministic=False)
 RNGS = {"params": jax.random.key(0), "dropout": jax.random.key(1)}

@@ -16,10 +16,6 @@ import pytest
 from benchmarks import long_rnn
 from benchmarks.long_rnn import LAX, LEAN, SQRT, Check, Column, Point
 
-# One xdist worker runs this module, so its module-scoped fixture is built once (the
-# Makefile runs pytest with --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("long_rnn_benchmark")
-
 HAS_EQUINOX = importlib.util.find_spec("equinox") is not None
 
 

@@ -1,7 +1,7 @@
 """jaxmem.plan / frontier: plans fit their budget, cost no more than the cheapest fitting preset,
 and applied with use_plan (policy="auto") keep the gradients of no remat."""
 
-import functools
+import dataclasses
 import json
 import warnings
 
@@ -13,10 +13,6 @@ import pytest
 import jaxmem
 from jaxmem._src import auto as _auto
 
-# One xdist worker runs this module, so its module-scoped fixture is built once (the
-# Makefile runs pytest with --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("planner")
-
 NO_REMAT = jaxmem.Plan(no_remat=True)
 PRESETS = ("nothing", "dots_no_batch", "dots", "selective", "everything")
 
@@ -25,76 +21,61 @@ def _close(a, b):
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=2e-5, atol=1e-6), a, b)
 
 
-def _compiled(grad_fn, *args):
-    c = jax.jit(grad_fn).lower(*args).compile()
-    cost = c.cost_analysis()
-    if isinstance(cost, (list, tuple)):
-        cost = cost[0]
-    return c.memory_analysis().temp_size_in_bytes, cost["flops"]
-
-
 # ---------------------------------------------------------------------------------------------
-# The reference GPT (jaxmem.demo.models), two layers.
+# The reference GPT (jaxmem.demo.models), two layers, through the benchmark's own code
+# (benchmarks.planner.run_model: the presets compiled directly, then jaxmem.frontier).
+
+
+def _bench():
+    pytest.importorskip("flax")
+    from benchmarks import planner as bench
+
+    return bench, dataclasses.replace(bench.QUICK, budgets=5, max_compiles=3)
 
 
 @pytest.fixture(scope="module")
 def gpt():
-    pytest.importorskip("flax")
-    from jaxmem.demo.models import GPT, GPTConfig, next_token_loss
-
-    cfg = GPTConfig(vocab_size=64, seq_len=16, num_layers=2, d_model=32, num_heads=2, d_ff=64)
-    tokens = jax.random.randint(jax.random.key(1), (2, cfg.seq_len), 0, cfg.vocab_size)
-
-    def model_loss(policy):
-        return next_token_loss(GPT(cfg, scan_impl=functools.partial(jaxmem.scan, policy=policy)))
-
-    loss = model_loss("auto")
-    with jaxmem.use_plan(NO_REMAT):
-        params = GPT(cfg).init(jax.random.key(0), tokens)["params"]
-        ref = jax.jit(jax.grad(loss))(params, tokens)
-    # The presets, compiled independently of the planner (policy=<preset>, no "auto").
-    presets = {
-        p: _compiled(jax.grad(model_loss(jaxmem.policies.by_name(p))), params, tokens)
-        for p in PRESETS
-    }
-    presets["no remat"] = _compiled(jax.grad(model_loss(None)), params, tokens)
-    # Five budgets from the smallest preset temp to no remat's; the middle one is also chosen
-    # (planned again after the sweep, from all it measured).
-    lo = min(t for t, _ in presets.values())
-    hi = presets["no remat"][0]
-    budgets = [lo + i * (hi - lo) // 4 for i in range(5)]
-    front = jaxmem.frontier(
-        loss, params, tokens, budgets=budgets, budget=budgets[2], max_compiles=3
-    )
-    return loss, params, tokens, ref, presets, front
+    bench, config = _bench()
+    make = bench.reference(config)
+    result = bench.run_model("reference", make, config.budgets, config.max_compiles)
+    loss, params, tokens = make("auto")
+    ref_loss, *_ = make(None)
+    ref = jax.jit(jax.grad(ref_loss))(params, tokens)
+    return loss, params, tokens, ref, result
 
 
-def test_frontier_plans_fit_and_beat_every_fitting_preset(gpt):
-    *_, presets, front = gpt
-    assert len(front.plans) == 5
-    assert front.point("no remat").temp_bytes == presets["no remat"][0]
-    budgets = [p.budget for p in front.plans]
+def _check_model(result):
+    """Every plan fits and recomputes no more than the cheapest preset that fits."""
+    front, presets = result.frontier, result.presets
     base = front.baseline_flops
-    dots = front.point("preset dots")  # The same program as policy=dots: the same figures.
-    assert (dots.temp_bytes, dots.recompute_flops + base) == pytest.approx(presets["dots"])
-    assert base == presets["no remat"][1]
-    for p in front.plans:
-        assert p.measured_temp_bytes <= p.budget
-        fitting = [f - base for k, (t, f) in presets.items() if t <= p.budget and k in PRESETS]
+    assert base == result.no_remat[1] and set(presets) == set(PRESETS)
+    assert front.point("no remat").temp_bytes == result.no_remat[0]
+    # Through "auto", a preset is the same program as with policy=<preset>: the same figures.
+    for name, (temp, flops) in presets.items():
+        key = "save nothing" if name == "nothing" else f"preset {name}"
+        point = front.point(key)
+        assert (point.temp_bytes, point.recompute_flops) == pytest.approx((temp, flops)), key
+    assert len(front.plans) == 5 and front.plans[-1].no_remat
+    assert front.plans[-1].recompute_flops == 0 and front.plans[0].recompute_flops > 0
+    for p, row in zip(front.plans, result.rows, strict=True):
+        assert p.measured_temp_bytes <= p.budget and p.compiles <= 3
+        fitting = [f for t, f in presets.values() if t <= p.budget]
         if fitting:  # Never more recompute than the cheapest preset that fits.
             assert p.recompute_flops <= min(fitting) + 1e-6 * base, (str(p), presets)
-        assert p.compiles <= 3
-    chosen = front.chosen  # Planned last, knowing every measurement of the sweep.
-    assert chosen.budget == budgets[2] and chosen.measured_temp_bytes <= chosen.budget
-    assert chosen.recompute_flops <= front.plans[2].recompute_flops
-    assert f"chosen for {chosen.budget / 2**20:.3f} MiB" in str(front)
-    # The cheapest fitting candidate strictly below no remat recomputes something.
-    assert front.plans[-1].no_remat and front.plans[-1].recompute_flops == 0
-    assert front.plans[0].recompute_flops > 0
+        assert row["fits"] and row["not_costlier"] and row["budget_bytes"] == p.budget
+
+
+def test_reference_gpt_plans_fit_and_beat_every_fitting_preset(gpt):
+    *_, result = gpt
+    _check_model(result)
+    bench, _ = _bench()
+    table = bench.format_model(result)
+    assert table.count("PASS") == 5 and "FAIL" not in table
 
 
 def test_plans_keep_gradients_and_are_what_use_plan_compiles(gpt):
-    loss, params, tokens, ref, _, front = gpt
+    loss, params, tokens, ref, result = gpt
+    front = result.frontier
     grad = jax.jit(jax.grad(loss))  # Jitted once, outside any plan: the plan is in the jit key.
     for p in (front.plans[0], front.plans[2]):
         with jaxmem.use_plan(p):
@@ -108,7 +89,7 @@ def test_plans_keep_gradients_and_are_what_use_plan_compiles(gpt):
 
 
 def test_frontier_points_table_plot_and_json(gpt, tmp_path):
-    *_, front = gpt
+    front = gpt[-1].frontier
     measured = [p for p in front.points if p.temp_bytes is not None]
     pareto = front.pareto()
     assert front.point("no remat") in pareto and pareto
@@ -139,7 +120,8 @@ def test_frontier_points_table_plot_and_json(gpt, tmp_path):
 
 
 def test_budget_below_reach_says_what_would_lower_it(gpt):
-    loss, params, tokens, *_, front = gpt
+    loss, params, tokens, _, result = gpt
+    front = result.frontier
     trials = [
         (p.key, p.temp_bytes, p.recompute_flops + front.baseline_flops)
         for p in front.points
@@ -161,7 +143,7 @@ def test_validate_lists_the_names_that_occur(gpt):
 
 
 def test_plan_json_round_trip_and_str(gpt):
-    *_, front = gpt
+    front = gpt[-1].frontier
     for p in front.plans:
         q = jaxmem.Plan.from_json(p.to_json())
         assert q == p and q.policy == p.policy
@@ -175,26 +157,14 @@ def test_plan_json_round_trip_and_str(gpt):
 
 
 def test_heldout_gpt_plans_fit_and_beat_every_fitting_preset():
-    pytest.importorskip("flax")
-    from benchmarks import heldout_gpt
-
-    cfg = heldout_gpt.HeldoutConfig(
-        vocab_size=64, seq_len=16, num_layers=2, d_model=32, num_heads=2, d_ff=64
-    )
-    loss, params, tokens = heldout_gpt.make_loss(cfg, policy="auto", batch_size=2)
-    front = jaxmem.frontier(loss, params, tokens, budgets=5, max_compiles=3)
-    base = front.baseline_flops
-    presets = [p for p in front.points if p.kind == "preset"]
-    assert {p.key for p in presets} == {"save nothing"} | {f"preset {n}" for n in PRESETS[1:]}
-    assert len(front.plans) == 5 and front.plans[-1].no_remat
-    for p in front.plans:
-        assert p.measured_temp_bytes <= p.budget
-        fitting = [q.recompute_flops for q in presets if q.temp_bytes <= p.budget]
-        if fitting:
-            assert p.recompute_flops <= min(fitting) + 1e-6 * base, str(p)
-    middle = front.plans[2]
+    bench, config = _bench()
+    make = bench.heldout(config)
+    result = bench.run_model("heldout", make, config.budgets, config.max_compiles)
+    _check_model(result)
+    loss, params, tokens = make("auto")
+    ref_loss, *_ = make(None)
+    middle = result.frontier.plans[2]
     assert not middle.no_remat and middle.recompute_flops > 0
-    ref_loss, *_ = heldout_gpt.make_loss(cfg, policy=None, batch_size=2)
     with jaxmem.use_plan(middle):
         got = jax.jit(jax.grad(loss))(params, tokens)
     _close(got, jax.jit(jax.grad(ref_loss))(params, tokens))
@@ -238,6 +208,26 @@ def test_below_full_remat_the_plan_uses_checkpoints():
     assert "while" in jaxpr  # The checkpointed VJP's advance loop.
     np.testing.assert_allclose(got, jax.grad(_rnn_stock)(*RNN_ARGS), rtol=1e-5, atol=1e-5)
     assert jaxmem.Plan.from_json(p.to_json()).checkpoints == "sqrt"
+
+
+def test_frontier_marks_the_chosen_plan(tmp_path):
+    first = jaxmem.frontier(_rnn_loss, *RNN_ARGS, budgets=0)
+    lo = min(p.temp_bytes for p in first.points if p.temp_bytes is not None)
+    hi = first.point("no remat").temp_bytes
+    budget = (lo + hi) // 2
+    trials = [
+        (p.key, p.temp_bytes, p.recompute_flops + first.baseline_flops)
+        for p in first.points
+        if p.temp_bytes
+    ]
+    front = jaxmem.frontier(_rnn_loss, *RNN_ARGS, budgets=2, budget=budget, known=trials)
+    assert [p.budget for p in front.plans] == [lo, hi]
+    assert front.chosen.budget == budget and front.chosen.measured_temp_bytes <= budget
+    chosen_key = front.chosen.candidate.key
+    assert f"chosen for {budget / 2**20:.3f} MiB: {chosen_key}" in str(front)
+    front.plot(tmp_path / "f.png")
+    with pytest.raises(ValueError, match="below the smallest reachable"):
+        jaxmem.plan(_rnn_loss, *RNN_ARGS, budget=0, known=trials, checkpoints=False)
 
 
 def test_time_is_measured_interleaved():
