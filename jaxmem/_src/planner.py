@@ -494,7 +494,9 @@ class _Search:
     def fitting(self, budget: int) -> list[tuple[float, int, Candidate]]:
         """Measured candidates within ``budget``: ``(flops, temp, candidate)``, cheapest first."""
         fits = [(f, t, c) for c, (t, f) in self.results.items() if t <= budget]
-        return sorted(fits, key=lambda x: (x[0], x[1], x[2].key))
+        # Ties: the smaller temp, then the fewer names (saving a name that costs nothing is
+        # noise), then the key (deterministic).
+        return sorted(fits, key=lambda x: (x[0], x[1], len(x[2].save | x[2].offload), x[2].key))
 
     def trials(self) -> tuple[tuple[str, int, float], ...]:
         return tuple((c.key, t, f) for c, (t, f) in self.results.items())
