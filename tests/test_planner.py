@@ -230,6 +230,28 @@ def test_frontier_marks_the_chosen_plan(tmp_path):
         jaxmem.plan(_rnn_loss, *RNN_ARGS, budget=0, known=trials, checkpoints=False)
 
 
+def test_where_offload_is_measurable_it_joins_the_search_below_full_remat(monkeypatch):
+    # CPU cannot measure offload (it is the identity there); pretend it can, to check the
+    # search's offload branch: below full remat it tries offloading every name.
+    from jaxmem._src import planner
+
+    full = jaxmem.plan(_rnn_loss, *RNN_ARGS, budget=2**40, presets=False)
+    assert any("offload not measurable here" in n for n in full.notes)
+    monkeypatch.setattr(planner, "_offload_measurable", lambda: True)
+    measured, measure = [], planner._Search.measure
+
+    def recording(self, cand):
+        measured.append(cand.key)
+        return measure(self, cand)
+
+    monkeypatch.setattr(planner._Search, "measure", recording)
+    with pytest.raises(ValueError, match="below the smallest reachable") as e:
+        jaxmem.plan(_rnn_loss, *RNN_ARGS, budget=1, presets=False, known=full.trials)
+    assert "save nothing; offload mlp_act" in measured
+    assert "save nothing; offload mlp_act; checkpoints sqrt" in measured
+    assert "not measurable" not in str(e.value)
+
+
 def test_time_is_measured_interleaved():
     p = jaxmem.plan(_rnn_loss, *RNN_ARGS, budget=2**40, presets=False, time=True)
     assert p.step_time_s > 0 and p.no_remat_step_time_s > 0 and "per gradient" in str(p)
