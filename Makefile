@@ -6,7 +6,7 @@
 # gets its own venv (.venv-3.13, .venv-3.11, ...), so versions coexist; each run prints the
 # Python and jax it uses. TEST_ARGS picks what pytest runs (default: the whole suite).
 #   make test-compat   the oldest supported set-up: PYTHON=python3.11 (pip gives jax 0.10.2),
-#                      TEST_ARGS="jaxmem tests README.md": everything but the notebooks
+#                      TEST_ARGS="tests jaxmem README.md": everything but the notebooks
 #   make test PYTHON=python3.11 TEST_ARGS=tests/test_api.py   any interpreter, any selection
 
 # $(call resolve,python3.13): absolute path of that interpreter, empty when it does not run. A
@@ -25,7 +25,9 @@ VENV := .venv-$(PYVER)
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_WORKERS ?= 2
-TEST_ARGS ?= jaxmem tests README.md --nbmake notebooks
+# The slowest items first (notebooks, then tests, then the doctests), so that --dist loadscope
+# (one worker per module: module fixtures are built once) does not end on one long module.
+TEST_ARGS ?= --nbmake notebooks tests jaxmem README.md
 
 .PHONY: test test-compat demo bench lint format clean
 
@@ -42,7 +44,7 @@ test: $(STAMP)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadscope -q $(TEST_ARGS)
 
 test-compat:
-	$(MAKE) test PYTHON=python3.11 TEST_ARGS="jaxmem tests README.md"
+	$(MAKE) test PYTHON=python3.11 TEST_ARGS="tests jaxmem README.md"
 
 demo: $(STAMP)
 	$(PY) -m jaxmem demo
