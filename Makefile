@@ -6,7 +6,8 @@
 # gets its own venv (.venv-3.13, .venv-3.11, ...), so versions coexist; each run prints the
 # Python and jax it uses. TEST_ARGS picks what pytest runs (default: the whole suite).
 #   make test-compat   the oldest supported set-up: PYTHON=python3.11 (pip gives jax 0.10.2),
-#                      TEST_ARGS="tests jaxmem README.md": everything but the notebooks
+#                      TEST_ARGS="tests jaxmem README.md": everything but the notebooks and
+#                      the tests of the demo and benchmark scripts (SCRIPT_TESTS)
 #   make test PYTHON=python3.11 TEST_ARGS=tests/test_api.py   any interpreter, any selection
 
 # $(call resolve,python3.13): absolute path of that interpreter, empty when it does not run. A
@@ -44,7 +45,12 @@ test: $(STAMP)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadscope -q $(TEST_ARGS)
 
 test-compat:
-	$(MAKE) test PYTHON=python3.11 TEST_ARGS="tests jaxmem README.md"
+	$(MAKE) test PYTHON=python3.11 TEST_ARGS="tests jaxmem README.md $(SCRIPT_TESTS)"
+
+# The tests of the demo and benchmark scripts (code outside the library, whose JAX-dependent
+# parts the library tests cover on both versions) run on the newest Python only: CI time.
+SCRIPT_TESTS = --ignore=tests/test_demo.py --ignore=tests/test_spmd_benchmark.py \
+	--ignore=tests/test_long_rnn_benchmark.py --deselect=tests/test_lm1b.py::test_benchmark_quick
 
 demo: $(STAMP)
 	$(PY) -m jaxmem demo
