@@ -26,9 +26,12 @@ VENV := .venv-$(PYVER)
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_WORKERS ?= 2
-# The slowest items first (notebooks, then tests, then the doctests), so that --dist loadscope
-# (one worker per module: module fixtures are built once) does not end on one long module.
-TEST_ARGS ?= --nbmake notebooks tests jaxmem README.md
+# The slowest items first (notebooks, the slowest test modules, the other tests, then the
+# doctests), so that --dist loadscope (one worker per module: module fixtures are built once)
+# does not end on one long module. pytest collects a file named twice once.
+SLOW_FIRST = tests/test_planner.py tests/test_flax_nnx_upstream.py tests/test_lm1b.py \
+	tests/test_flax_nnx_memory.py tests/test_multiprocess.py tests/test_heldout_gpt.py
+TEST_ARGS ?= --nbmake notebooks $(SLOW_FIRST) tests jaxmem README.md
 
 .PHONY: test test-compat demo bench lint format clean
 
@@ -45,7 +48,7 @@ test: $(STAMP)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadscope -q $(TEST_ARGS)
 
 test-compat:
-	$(MAKE) test PYTHON=python3.11 TEST_ARGS="tests jaxmem README.md $(SCRIPT_TESTS)"
+	$(MAKE) test PYTHON=python3.11 TEST_ARGS="$(SLOW_FIRST) tests jaxmem README.md $(SCRIPT_TESTS)"
 
 # The tests of the demo and benchmark scripts (code outside the library, whose JAX-dependent
 # parts the library tests cover on both versions) run on the newest Python only: CI time.
