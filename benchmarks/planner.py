@@ -48,7 +48,7 @@ import jax.numpy as jnp
 
 import jaxmem
 from benchmarks import harness
-from jaxmem._src.planner import PRESETS
+from jaxmem._src.planner import PRESETS, _flops
 
 MIB = 2**20
 
@@ -151,10 +151,7 @@ MODELS: dict[str, Callable[[Config], Callable]] = {"reference": reference, "held
 def compiled_cost(loss: Callable, *args: Any) -> tuple[int, float]:
     """(temp bytes, FLOPs) of ``jax.jit(jax.grad(loss))`` compiled for ``args``."""
     c = jax.jit(jax.grad(loss)).lower(*args).compile()
-    cost = c.cost_analysis()
-    if isinstance(cost, (list, tuple)):
-        cost = cost[0]
-    return int(c.memory_analysis().temp_size_in_bytes), float(cost["flops"])
+    return int(c.memory_analysis().temp_size_in_bytes), _flops(c)
 
 
 @dataclasses.dataclass
@@ -190,7 +187,7 @@ def run_model(name: str, make: Callable, budgets: int, max_compiles: int = 16) -
         rows.append(
             {
                 "budget_bytes": p.budget,
-                "plan": "no remat" if p.no_remat else p.candidate.key,
+                "plan": p.candidate.key,
                 "temp_bytes": p.measured_temp_bytes,
                 "recompute_flops": p.recompute_flops,
                 "recompute_pct": 100 * p.recompute_flops / no_remat[1],

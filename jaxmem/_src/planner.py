@@ -902,10 +902,7 @@ class Frontier:
         rows.append("  * on the Pareto frontier (no other point has less temp and fewer FLOPs)")
         if self.chosen is not None:
             c = self.chosen
-            rows.append(
-                f"  chosen for {c.budget / 2**20:.3f} MiB: "
-                f"{'no remat' if c.no_remat else c.candidate.key}"
-            )
+            rows.append(f"  chosen for {c.budget / 2**20:.3f} MiB: {c.candidate.key}")
         return "\n".join(rows)
 
     def plot(self, path: str | None = None, *, y: str = "flops", title: str | None = None):
@@ -987,7 +984,7 @@ class Frontier:
             zorder=4,
         )
         if self.chosen is not None and self.chosen.measured_temp_bytes is not None:
-            key = self.chosen.candidate.key if not self.chosen.no_remat else "no remat"
+            key = self.chosen.candidate.key
             chosen = next((p for p in pts if p.key == key), None)
             if chosen is not None:
                 ax.scatter(
@@ -1107,7 +1104,7 @@ def frontier(
     base = loose.baseline_flops or 0.0
     picks: dict[str, list[int]] = {}
     for p in plans:  # The sweep's picks (the chosen plan is marked on its own).
-        picks.setdefault("no remat" if p.no_remat else p.candidate.key, []).append(p.budget)
+        picks.setdefault(p.candidate.key, []).append(p.budget)
     pareto = _pareto_keys(measured)
     times: dict[str, float] = {}
     if time:
