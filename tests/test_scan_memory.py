@@ -335,7 +335,9 @@ def test_custom_jvp_activation_keeps_its_input_not_output_and_mask(act):
 
 def test_kept_masks_are_packed_to_bits():
     """A dropout keep mask cannot be recomputed cheaply (random bits), so it is kept, as bits:
-    8 elements to a byte, unpacked in the backward step; gradients are bit-identical."""
+    8 elements to a byte, unpacked in the backward step; gradients equal stock's (a wrong bit
+    would change them far beyond the rounding allowed: compiled without LLVM optimization, as
+    under CI, the two programs round differently)."""
     b, d, f, length = 8, 16, 64, 3
 
     def step(h, wk):
@@ -360,7 +362,8 @@ def test_kept_masks_are_packed_to_bits():
     for grad in (jax.grad, lambda *a, **k: jax.jit(jax.grad(*a, **k))):
         got = grad(loss(jaxmem.scan), argnums=(0, 1, 2))(w1, w2, h0)
         for g, r in zip(got, ref, strict=True):
-            np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
+            scale = float(np.max(np.abs(r)))
+            np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6 * scale)
     temps = [
         jax.jit(jax.grad(loss(scan), argnums=(0, 1, 2)))
         .lower(w1, w2, h0)
