@@ -14,6 +14,11 @@ from jaxmem._src.buffers import Buffer as Buffer
 from jaxmem._src.buffers import BufferDumpError as BufferDumpError
 from jaxmem._src.buffers import BufferGroup as BufferGroup
 from jaxmem._src.buffers import BufferReport as BufferReport
+from jaxmem._src.chunking import AutoChunked as AutoChunked
+from jaxmem._src.chunking import ChunkedTail as ChunkedTail
+from jaxmem._src.chunking import ChunkReport as ChunkReport
+from jaxmem._src.chunking import autochunk as autochunk
+from jaxmem._src.chunking import chunked as chunked
 from jaxmem._src.names import NAMES as NAMES
 from jaxmem._src.names import name as name
 from jaxmem._src.planner import Frontier as Frontier
@@ -45,11 +50,14 @@ if _TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
+    "AutoChunked",
     "Buffer",
     "BufferDumpError",
     "BufferGroup",
     "BufferReport",
     "CheckpointSchedule",
+    "ChunkReport",
+    "ChunkedTail",
     "Comparison",
     "ForwardModeError",
     "Frontier",
@@ -61,6 +69,8 @@ __all__ = [
     "Residual",
     "ScanPlan",
     "StepCounter",
+    "autochunk",
+    "chunked",
     "compare",
     "flax",
     "frontier",

@@ -1,0 +1,682 @@
+"""Chunking of loss tails that sum over independent rows, by hand and automatically.
+
+A loss like ``sum_i loss_row(x[i], y[i]; w)`` over N tokens can run in chunks of rows. Since the
+result is a scalar, each chunk's gradient can be computed as soon as the chunk is (its
+contribution to ``d total / d inputs``), then scaled by the incoming cotangent in the backward
+pass: nothing of a chunk's intermediates (e.g. its ``[chunk, vocab]`` logits) outlives the
+chunk. This is the AutoChunker of PyTorch Inductor, and the fused linear cross-entropy of Liger.
+
+- :func:`chunked` does it for a function the user says is such a sum (which arguments carry the
+  rows, along which axis).
+- :func:`autochunk` finds such a tail inside any loss (:mod:`jaxmem._src.rowwise`: the largest
+  row-wise part that ends in a scalar ``reduce_sum`` and creates an intermediate larger than a
+  threshold), runs it chunk by chunk and the rest of the loss as written. ``.explain(*args)``
+  says what it chunked, or why nothing.
+
+Both compute the gradients in the forward pass when differentiated (``jax.grad``/``jax.vjp``;
+never under plain evaluation, which only sums values), at the cost of a backward pass of the
+tail, not more: the chunk's forward is not run twice. Forward-mode differentiation
+(``jax.jvp``) is not supported (``jax.custom_vjp``): :class:`jaxmem.ForwardModeError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmem._src import jax_compat as _jc
+from jaxmem._src import rowwise as _rw
+from jaxmem._src.scan import ForwardModeError
+
+_REDUCTIONS = ("sum", "mean")
+DEFAULT_MAX_CHUNK_BYTES = 64 * 2**20
+
+_FORWARD_MODE = (
+    "{fn} computes gradients chunk by chunk under a custom VJP, and JAX cannot apply "
+    "forward-mode autodiff (jax.jvp, jax.jacfwd, jax.linearize) to a custom VJP. Call the "
+    "function without {fn} where you need forward mode."
+)
+
+
+# ------------------------------------------------------------------------------------------
+# The loop: rows split along per-leaf axes, gradient in forward.
+
+
+def _is_float(x) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def _sum_of_chunks(fn, rows_leaves, axes, param_leaves, n: int, size: int, fname: str):
+    """``fn(rows, rows_leaves_chunk, param_leaves)`` summed over chunks of ``size`` rows.
+
+    ``fn`` returns a scalar: the chunk's part of the total. Float leaves are differentiable:
+    under ``jax.grad`` their gradients are computed in the forward loop (the row leaves' written
+    into a buffer like the leaf, the parameters' summed) and scaled by the cotangent after.
+    """
+    full, rem = divmod(n, size)
+    d_rows = [_is_float(a) for a in rows_leaves]
+    d_params = [_is_float(a) for a in param_leaves]
+
+    def pick(leaves, mask, want):
+        return [a for a, m in zip(leaves, mask, strict=True) if m == want]
+
+    def merge(d, i, mask):
+        it_d, it_i = iter(d), iter(i)
+        return [next(it_d) if m else next(it_i) for m in mask]
+
+    def take(leaves, leaf_axes, start, length):
+        return [
+            jax.lax.dynamic_slice_in_dim(a, start, length, axis=k)
+            for a, k in zip(leaves, leaf_axes, strict=True)
+        ]
+
+    d_axes, i_axes = pick(axes, d_rows, True), pick(axes, d_rows, False)
+
+    def call(length, dr, ir, dp, ip):
+        return fn(length, merge(dr, ir, d_rows), merge(dp, ip, d_params))
+
+    def chunk(start, length, dr, ir):
+        return take(dr, d_axes, start, length), take(ir, i_axes, start, length)
+
+    out_dtype = jax.eval_shape(
+        lambda dr, ir, dp, ip: call(size, *chunk(0, size, dr, ir), dp, ip),
+        pick(rows_leaves, d_rows, True),
+        pick(rows_leaves, d_rows, False),
+        pick(param_leaves, d_params, True),
+        pick(param_leaves, d_params, False),
+    ).dtype
+
+    def value(dr, ir, dp, ip):
+        def body(i, total):
+            v = call(size, *chunk(i * size, size, dr, ir), dp, ip)
+            return total + v.astype(jnp.float32)
+
+        total = jax.lax.fori_loop(0, full, body, jnp.zeros((), jnp.float32))
+        if rem:
+            total = total + call(rem, *chunk(full * size, rem, dr, ir), dp, ip).astype(jnp.float32)
+        return total.astype(out_dtype)
+
+    def grads(start, length, dr, ir, dp, ip):
+        dr_c, ir_c = chunk(start, length, dr, ir)
+        v, vjp = jax.vjp(lambda a, p: call(length, a, ir_c, p, ip), dr_c, dp)
+        g_rows, g_params = vjp(jnp.ones((), v.dtype))
+        return v.astype(jnp.float32), g_rows, g_params
+
+    @jax.custom_vjp
+    def core(dr, ir, dp, ip):
+        return value(dr, ir, dp, ip)
+
+    def fwd(dr, ir, dp, ip):
+        def put(buf, g, start):
+            return [
+                jax.lax.dynamic_update_slice_in_dim(b, x.astype(b.dtype), start, axis=k)
+                for b, x, k in zip(buf, g, d_axes, strict=True)
+            ]
+
+        def add(acc, g):
+            return [a + x.astype(a.dtype) for a, x in zip(acc, g, strict=True)]
+
+        def body(i, carry):
+            total, g_rows, g_params = carry
+            v, gr, gp = grads(i * size, size, dr, ir, dp, ip)
+            return total + v, put(g_rows, gr, i * size), add(g_params, gp)
+
+        carry = (
+            jnp.zeros((), jnp.float32),
+            [jnp.zeros_like(a) for a in dr],
+            [jnp.zeros(a.shape, jnp.float32 if a.dtype != jnp.float64 else a.dtype) for a in dp],
+        )
+        total, g_rows, g_params = jax.lax.fori_loop(0, full, body, carry)
+        if rem:
+            v, gr, gp = grads(full * size, rem, dr, ir, dp, ip)
+            total, g_rows, g_params = total + v, put(g_rows, gr, full * size), add(g_params, gp)
+        g_params = [g.astype(p.dtype) for g, p in zip(g_params, dp, strict=True)]
+        return total.astype(out_dtype), (g_rows, g_params)
+
+    def bwd(res, ct):
+        g_rows, g_params = res
+
+        def scale(g):
+            return (g * ct.astype(g.dtype)).astype(g.dtype)
+
+        return (
+            [scale(g) for g in g_rows],
+            [None] * len(i_axes),
+            [scale(g) for g in g_params],
+            [None] * (len(d_params) - sum(d_params)),
+        )
+
+    core.defvjp(fwd, bwd)
+    try:
+        return core(
+            pick(rows_leaves, d_rows, True),
+            pick(rows_leaves, d_rows, False),
+            pick(param_leaves, d_params, True),
+            pick(param_leaves, d_params, False),
+        )
+    except TypeError as e:
+        if "forward-mode" in str(e):
+            raise ForwardModeError(_FORWARD_MODE.format(fn=fname)) from e
+        raise
+
+
+# ------------------------------------------------------------------------------------------
+# chunked: the user says which arguments carry the rows.
+
+
+def _check(f, axis, chunk_size, num_chunks, split, reduction, caller):
+    if not callable(f):
+        raise TypeError(f"{caller}: f must be callable, got {type(f).__name__}")
+    if isinstance(axis, bool) or not isinstance(axis, int):
+        raise TypeError(f"{caller}: axis must be an int, got {axis!r}")
+    if (chunk_size is None) == (num_chunks is None):
+        raise ValueError(f"{caller}: give exactly one of chunk_size and num_chunks")
+    for name, v in (("chunk_size", chunk_size), ("num_chunks", num_chunks)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{caller}: {name} must be a positive int, got {v!r}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"{caller}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if isinstance(split, int) and not isinstance(split, bool):
+        split = (split,)
+    if not isinstance(split, Sequence) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in split
+    ):
+        raise TypeError(f"{caller}: split must be an int or a tuple of ints, got {split!r}")
+    return tuple(split)
+
+
+def _rows(args: Sequence[Any], split: tuple[int, ...], axis: int, caller: str) -> int:
+    sizes = {}
+    for i in split:
+        if not 0 <= i < len(args):
+            raise ValueError(f"{caller}: split={split} names argument {i}; f got {len(args)}")
+        for path, leaf in jax.tree_util.tree_flatten_with_path(args[i])[0]:
+            shape = np.shape(leaf)
+            where = f"argument {i}{jax.tree_util.keystr(path)}"
+            if not -len(shape) <= axis < len(shape):
+                raise ValueError(f"{caller}: {where} has shape {shape}, no axis {axis} to split")
+            sizes[where] = shape[axis]
+    if len(set(sizes.values())) > 1:
+        listed = ", ".join(f"{k}: {v}" for k, v in sizes.items())
+        raise ValueError(f"{caller}: the split arguments differ along axis {axis} ({listed})")
+    if not sizes:
+        raise ValueError(f"{caller}: no argument to split along axis {axis}")
+    return next(iter(sizes.values()))
+
+
+def chunked(
+    f: Callable[..., jax.Array],
+    *,
+    axis: int = 0,
+    chunk_size: int | None = None,
+    num_chunks: int | None = None,
+    split: int | Sequence[int] = 0,
+    reduction: str = "sum",
+) -> Callable[..., jax.Array]:
+    """Runs ``f`` chunk by chunk over the rows of its ``split`` arguments, gradient in forward.
+
+    ``f(*args)`` must be a scalar that is the sum (``reduction="sum"``) or the mean
+    (``"mean"``) over independent rows of the arguments ``split`` along ``axis``; the other
+    arguments (parameters) are shared by every row. The returned function equals ``f`` in value
+    and gradients (up to float rounding of the summation order), but under ``jax.grad`` /
+    ``jax.vjp`` computes each chunk's gradient while the chunk is live, so only one chunk's
+    intermediates exist at a time and nothing of them is kept for the backward pass. The
+    gradient buffers (one like each split float leaf, one per float parameter) are the
+    residuals. Integer leaves (labels) are split or shared but not differentiated.
+
+    Nothing checks that ``f`` really is such a sum: :func:`autochunk` finds (and proves) it.
+
+    Args:
+      f: the loss ``f(*args) -> scalar``.
+      axis: the row axis of the split arguments.
+      chunk_size: rows per chunk (the last chunk takes the remainder); or
+      num_chunks: the number of chunks (``ceil(rows / num_chunks)`` rows each).
+      split: which positional arguments are split into rows (every leaf of each; the others
+        are parameters).
+      reduction: whether ``f`` sums or averages over the rows.
+
+    Returns:
+      ``g(*args)``, the chunked ``f``.
+
+    Raises:
+      ValueError / TypeError: bad options, or split arguments of different row counts (every
+        leaf named by its path).
+      ForwardModeError: under ``jax.jvp`` / ``jax.jacfwd``.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import jaxmem
+      >>> def loss(x, w):
+      ...     return jnp.sum(jnp.tanh(x @ w) ** 2)
+      >>> x, w = jnp.ones((10, 4)), jnp.eye(4) * 0.1
+      >>> g = jaxmem.chunked(loss, chunk_size=4)
+      >>> bool(jnp.allclose(g(x, w), loss(x, w)))
+      True
+      >>> bool(jnp.allclose(jax.grad(g, argnums=1)(x, w), jax.grad(loss, argnums=1)(x, w)))
+      True
+    """
+    caller = "jaxmem.chunked"
+    split = _check(f, axis, chunk_size, num_chunks, split, reduction, caller)
+
+    @functools.wraps(f)
+    def run(*args):
+        n = _rows(args, split, axis, caller)
+        size = min(chunk_size if chunk_size is not None else math.ceil(n / num_chunks), n)
+        row_leaves, row_tree = jax.tree.flatten([args[i] for i in split])
+        params = [a for i, a in enumerate(args) if i not in split]
+        param_leaves, param_tree = jax.tree.flatten(params)
+        axes = [axis % np.ndim(a) for a in row_leaves]
+
+        def fn(length, rows_, params_):
+            it_r = iter(jax.tree.unflatten(row_tree, rows_))
+            it_p = iter(jax.tree.unflatten(param_tree, params_))
+            out = f(*[next(it_r) if i in split else next(it_p) for i in range(len(args))])
+            return out * (length / n) if reduction == "mean" else out
+
+        return _sum_of_chunks(fn, row_leaves, axes, param_leaves, n, size, caller)
+
+    return run
+
+
+# ------------------------------------------------------------------------------------------
+# autochunk: the tail found in the jaxpr.
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def _type(aval) -> str:
+    return f"{np.dtype(aval.dtype).name}{list(aval.shape)}".replace(" ", "")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkedTail:
+    """One tail that :func:`autochunk` runs chunk by chunk.
+
+    Attributes:
+      where: source location of the tail's final ``reduce_sum``.
+      axis: the row axis of the reduced value.
+      rows: the number of rows.
+      chunk_size: rows per chunk; ``num_chunks`` chunks (the last may be shorter).
+      num_chunks: the number of chunks.
+      largest: the largest intermediate of the tail (type and where it is created).
+      largest_bytes: its bytes in full; ``chunk_bytes`` for one chunk.
+      chunk_bytes: bytes of the largest intermediate of one chunk.
+      inputs: the tail's row inputs (type and where they come from), split into chunks.
+      shared: the tail's inputs shared by every row (types).
+      stopped: where the walk back from the reduction stopped, and why.
+    """
+
+    where: str
+    axis: int
+    rows: int
+    chunk_size: int
+    num_chunks: int
+    largest: str
+    largest_bytes: int
+    chunk_bytes: int
+    inputs: tuple[str, ...]
+    shared: tuple[str, ...]
+    stopped: tuple[str, ...]
+
+    @property
+    def expected_saving(self) -> int:
+        """Bytes the largest intermediate no longer takes (full minus one chunk)."""
+        return self.largest_bytes - self.chunk_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkReport:
+    """What :func:`autochunk` does with a loss at given argument types (``.explain(*args)``).
+
+    Attributes:
+      tails: the tails run chunk by chunk (empty when nothing qualifies).
+      reason: when ``tails`` is empty, why; else ``""``.
+      skipped: candidate reductions left as written, each with the reason.
+      max_chunk_bytes: the threshold the report was made with.
+    """
+
+    tails: tuple[ChunkedTail, ...]
+    reason: str
+    skipped: tuple[str, ...]
+    max_chunk_bytes: int
+
+    @property
+    def chunked(self) -> bool:
+        """Whether anything runs chunk by chunk."""
+        return bool(self.tails)
+
+    @property
+    def expected_saving(self) -> int:
+        """Sum over the tails of :attr:`ChunkedTail.expected_saving`."""
+        return sum(t.expected_saving for t in self.tails)
+
+    def __str__(self) -> str:
+        lines = [f"autochunk (max_chunk_bytes {_fmt_bytes(self.max_chunk_bytes)}):"]
+        if not self.tails:
+            lines.append(f"  nothing chunked, the function runs as written: {self.reason}")
+        for t in self.tails:
+            lines += [
+                f"  the sum at {t.where}: {t.rows} rows along axis {t.axis} of the summed "
+                f"value, {t.num_chunks} chunks of {t.chunk_size}",
+                f"    largest intermediate {t.largest}: {_fmt_bytes(t.largest_bytes)} -> "
+                f"{_fmt_bytes(t.chunk_bytes)} per chunk (expected saving "
+                f"{_fmt_bytes(t.expected_saving)})",
+                "    rows from: " + ", ".join(t.inputs),
+                "    shared: " + (", ".join(t.shared) or "nothing"),
+            ]
+            lines += [f"    stopped at {s}" for s in t.stopped]
+        lines += [f"  left as written: {s}" for s in self.skipped]
+        return "\n".join(lines)
+
+
+def _where(eqn) -> str:
+    return _jc.summarize_source(eqn.source_info)
+
+
+class _Analysis:
+    """The jaxpr of a loss at given argument types and the tails chosen in it."""
+
+    def __init__(self, fn, args, max_chunk_bytes: int, chunk_size: int | None, fname: str):
+        self.flat_args, self.in_tree = jax.tree.flatten(args)
+        closed = jax.make_jaxpr(fn)(*args)
+        self.closed = closed
+        self.jaxpr = _jc.open_jaxpr(closed)
+        self.out_tree = jax.tree.structure(jax.eval_shape(fn, *args))
+        self.max_chunk_bytes = max_chunk_bytes
+        self.chunk_size = chunk_size
+        self.tails: list[tuple[_rw.Tail, int]] = []
+        self.skipped: list[str] = []
+        self.reason = ""
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
+        self.names = {v: f"args{p}" for v, p in zip(self.jaxpr.invars, paths, strict=True)}
+        self.producer = {v: e for e in self.jaxpr.eqns for v in e.outvars}
+        self._choose()
+
+    def _choose(self):
+        outs = self.jaxpr.outvars
+        if len(outs) != 1 or tuple(outs[0].aval.shape) != ():
+            types = ", ".join(_type(v.aval) for v in outs)
+            self.reason = f"the result is not a scalar ({types}): no sum over rows to chunk"
+            return
+        if not np.issubdtype(outs[0].aval.dtype, np.inexact):
+            self.reason = f"the result is not floating ({_type(outs[0].aval)})"
+            return
+        candidates = _rw.reductions(self.jaxpr)
+        if not candidates:
+            self.reason = "no scalar sum (reduce_sum of an array) in the function"
+            return
+        taken: set[int] = set()
+        for r in reversed(candidates):  # the last sums first: usually the loss's own
+            eqn = self.jaxpr.eqns[r]
+            where = _where(eqn)
+            best = None
+            for axis, n in enumerate(eqn.invars[0].aval.shape):
+                if n < 2:
+                    continue
+                tail = _rw.find_tail(self.jaxpr, r, axis)
+                if set(tail.eqns) & taken:
+                    continue
+                if best is None or tail.largest[1] > best.largest[1]:
+                    best = tail
+            if best is None:
+                self.skipped.append(f"the sum at {where}: no axis with more than one row")
+                continue
+            var, nbytes = best.largest
+            size = self._size(best)
+            if not best.eqns:
+                why = (
+                    f"the summed value {_type(var.aval)} is computed by "
+                    f"{self._origin(eqn.invars[0])}, which is not row-wise"
+                )
+                self.skipped.append(f"the sum at {where}: {why}")
+            elif size >= best.rows:
+                self.skipped.append(
+                    f"the sum at {where}: its largest row-wise intermediate {_type(var.aval)} "
+                    f"({_fmt_bytes(nbytes)}) fits max_chunk_bytes"
+                )
+            else:
+                self.tails.append((best, size))
+                taken |= set(best.eqns)
+        if not self.tails:
+            self.reason = "; ".join(self.skipped) or "no row-wise tail"
+            self.skipped = []
+
+    def _size(self, tail: _rw.Tail) -> int:
+        if self.chunk_size is not None:
+            return min(self.chunk_size, tail.rows)
+        per_row = max(1, math.ceil(tail.largest[1] / tail.rows))
+        return max(1, min(tail.rows, self.max_chunk_bytes // per_row))
+
+    def _origin(self, v) -> str:
+        if v in self.names:
+            return self.names[v]
+        eqn = self.producer.get(v)
+        return "a constant" if eqn is None else f"{eqn.primitive.name} at {_where(eqn)}"
+
+    def report(self) -> ChunkReport:
+        tails = []
+        for tail, size in self.tails:
+            var, nbytes = tail.largest
+            red = self.jaxpr.eqns[tail.reduction]
+            tails.append(
+                ChunkedTail(
+                    where=_where(red),
+                    axis=_axis_of(tail, red),
+                    rows=tail.rows,
+                    chunk_size=size,
+                    num_chunks=-(-tail.rows // size),
+                    largest=f"{_type(var.aval)} from {self._origin(var)}",
+                    largest_bytes=nbytes,
+                    chunk_bytes=math.ceil(nbytes * size / tail.rows),
+                    inputs=tuple(f"{_type(v.aval)} {self._origin(v)}" for v, _ in tail.split),
+                    shared=tuple(f"{_type(v.aval)} {self._origin(v)}" for v in tail.params),
+                    stopped=tuple(
+                        f"{_type(v.aval)}: {prim} is not row-wise"
+                        if prim != "used outside the tail"
+                        else f"{_type(v.aval)}: also used outside the tail"
+                        for prim, v in tail.stopped
+                    ),
+                )
+            )
+        return ChunkReport(tuple(tails), self.reason, tuple(self.skipped), self.max_chunk_bytes)
+
+    def run(self, fname: str):
+        """Evaluates the loss: segments of the jaxpr as written, each tail chunk by chunk."""
+        jaxpr = self.jaxpr
+        env: dict[Any, Any] = dict(
+            zip(jaxpr.constvars, _jc.jaxpr_consts(self.closed), strict=True)
+        )
+        env.update(zip(jaxpr.invars, self.flat_args, strict=True))
+        members = {i for tail, _ in self.tails for i in tail.eqns} | _rw.dead(jaxpr)
+        at = {tail.reduction: (tail, size) for tail, size in self.tails}
+        later_uses = _later_uses(jaxpr, [t for t, _ in self.tails])
+
+        def read(v):
+            return env[v] if _jc.is_var(v) else v.val
+
+        segment: list[int] = []
+
+        def flush(end: int):
+            if not segment:
+                return
+            eqns = [jaxpr.eqns[i] for i in segment]
+            defined = {v for e in eqns for v in e.outvars}
+            invars = list(
+                dict.fromkeys(
+                    v for e in eqns for v in e.invars if _jc.is_var(v) and v not in defined
+                )
+            )
+            outvars = [v for v in defined if _jc.is_var(v) and later_uses(v, end)]
+            sub = _jc.make_jaxpr(jaxpr, constvars=[], invars=invars, outvars=outvars, eqns=eqns)
+            vals = _jc.jaxpr_as_fun(_jc.closed_jaxpr(sub, []))(*[read(v) for v in invars])
+            env.update(zip(outvars, vals, strict=True))
+            segment.clear()
+
+        for i in range(len(jaxpr.eqns)):
+            if i in members:
+                continue
+            if i not in at:
+                segment.append(i)
+                continue
+            flush(i)
+            tail, size = at[i]
+            split_vals = [read(v) for v, _ in tail.split]
+            param_vals = [read(v) for v in tail.params]
+
+            def fn(length, rows_, params_, tail=tail):
+                return _rw.run_tail(jaxpr, tail, length, rows_, params_)
+
+            axes = [k for _, k in tail.split]
+            (out,) = jaxpr.eqns[i].outvars
+            env[out] = _sum_of_chunks(
+                fn, split_vals, axes, param_vals, tail.rows, size, fname
+            )
+        flush(len(jaxpr.eqns))
+        return jax.tree.unflatten(self.out_tree, [read(v) for v in jaxpr.outvars])
+
+
+def _axis_of(tail: _rw.Tail, red) -> int:
+    return tail.axes[id(red)][0][0]
+
+
+def _later_uses(jaxpr, tails: Sequence[_rw.Tail]):
+    """``uses(v, i)``: whether ``v`` is read at index ``>= i`` (a tail's inputs are read at its
+    reduction) or is an output."""
+    last: dict[Any, int] = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.invars:
+            if _jc.is_var(v):
+                last[v] = i
+    for tail in tails:
+        for v in [v for v, _ in tail.split] + list(tail.params):
+            last[v] = max(last.get(v, -1), tail.reduction)
+    for v in jaxpr.outvars:
+        if _jc.is_var(v):
+            last[v] = len(jaxpr.eqns)
+
+    def uses(v, i: int) -> bool:
+        return last.get(v, -1) >= i
+
+    return uses
+
+
+class AutoChunked:
+    """The function :func:`autochunk` returns: call it like the loss; ``.explain(*args)``."""
+
+    def __init__(self, fn, max_chunk_bytes: int, chunk_size: int | None, warn: bool):
+        self._fn = fn
+        self._max = max_chunk_bytes
+        self._chunk_size = chunk_size
+        self._warn = warn
+        self._warned: set = set()
+        functools.update_wrapper(self, fn)
+
+    def _analysis(self, args) -> _Analysis:
+        return _Analysis(self._fn, args, self._max, self._chunk_size, "jaxmem.autochunk")
+
+    def __call__(self, *args):
+        analysis = self._analysis(args)
+        if not analysis.tails:
+            key = (jax.tree.structure(args), tuple(map(_jc.struct, analysis.flat_args)))
+            if self._warn and key not in self._warned:
+                self._warned.add(key)
+                warnings.warn(
+                    f"jaxmem.autochunk({getattr(self._fn, '__name__', 'fn')}): nothing "
+                    f"chunked, the function runs as written: {analysis.reason}",
+                    stacklevel=2,
+                )
+            return self._fn(*args)
+        return analysis.run("jaxmem.autochunk")
+
+    def explain(self, *args) -> ChunkReport:
+        """What calling with ``args`` (arrays or ``jax.ShapeDtypeStruct``) chunks, and why."""
+        return self._analysis(args).report()
+
+
+def autochunk(
+    fn: Callable[..., jax.Array],
+    *,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+    chunk_size: int | None = None,
+    warn: bool = True,
+) -> AutoChunked:
+    """Runs the memory-heavy row-wise tail of a scalar loss chunk by chunk, found automatically.
+
+    ``fn`` is traced (at each call, for the arguments' types). Walking back from each scalar
+    ``reduce_sum`` (``jnp.sum``, ``jnp.mean``, ``optax`` means...), autochunk finds the largest
+    part of the computation that is *row-wise* along one axis of the summed value: every row of
+    every intermediate depends only on the same row of some inputs (the hidden states, the
+    labels) and on values shared by every row (the weights). Each primitive's rule proves it
+    (elementwise ops, dot products, broadcasts, reshapes, reductions along other axes, gathers
+    such as ``take_along_axis``, ``jit`` calls, ...); random numbers, custom derivative rules
+    (``jax.nn.relu``), collectives and anything unknown end the tail, and so does an
+    intermediate that is also used outside it. When the tail creates an intermediate larger
+    than ``max_chunk_bytes`` (the ``[tokens, vocab]`` logits of an LM head, the ``[tokens, 4d]``
+    hidden of an MLP head), it runs as :func:`chunked` does: in chunks of rows such that one
+    chunk's largest intermediate stays within ``max_chunk_bytes``, gradient in forward, nothing
+    of a chunk kept for the backward pass. The rest of ``fn`` runs as written.
+
+    Where nothing qualifies (no row-wise tail, a non-scalar result, intermediates below the
+    threshold) the function runs unchanged and a warning says why once per argument types
+    (``warn=False`` silences it); ``.explain(*args)`` returns a :class:`ChunkReport` that says
+    what is chunked, along which axis, the chunk size and the bytes expected to be saved, or
+    why nothing is.
+
+    Values and gradients equal ``fn``'s up to float rounding (the sum runs chunk by chunk).
+
+    Args:
+      fn: the loss, returning a scalar.
+      max_chunk_bytes: the bytes one chunk's largest intermediate may take (default 64 MiB);
+        tails whose largest intermediate is smaller are left as written.
+      chunk_size: rows per chunk, instead of the size derived from ``max_chunk_bytes``.
+      warn: warn when nothing is chunked.
+
+    Returns:
+      An :class:`AutoChunked` callable, ``fn``'s drop-in, with ``.explain(*args)``.
+
+    Raises:
+      ForwardModeError: when a chunked tail meets ``jax.jvp`` / ``jax.jacfwd``.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> import jaxmem
+      >>> def loss(x, w, labels):
+      ...     logits = x @ w
+      ...     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+      >>> x, w = jnp.ones((64, 8)), jnp.ones((8, 512)) * 0.01
+      >>> labels = jnp.zeros((64,), jnp.int32)
+      >>> lean = jaxmem.autochunk(loss, max_chunk_bytes=16 * 1024)
+      >>> report = lean.explain(x, w, labels)
+      >>> report.tails[0].num_chunks, report.tails[0].chunk_size
+      (8, 8)
+      >>> bool(jnp.allclose(lean(x, w, labels), loss(x, w, labels)))
+      True
+      >>> g = jax.grad(lean, argnums=(0, 1))(x, w, labels)
+      >>> bool(jnp.allclose(g[1], jax.grad(loss, argnums=1)(x, w, labels)))
+      True
+    """
+    fname = "jaxmem.autochunk"
+    if not callable(fn):
+        raise TypeError(f"{fname}: fn must be callable, got {type(fn).__name__}")
+    if isinstance(max_chunk_bytes, bool) or not isinstance(max_chunk_bytes, int):
+        raise TypeError(f"{fname}: max_chunk_bytes must be an int, got {max_chunk_bytes!r}")
+    if max_chunk_bytes < 1:
+        raise ValueError(f"{fname}: max_chunk_bytes must be positive, got {max_chunk_bytes}")
+    if chunk_size is not None and (
+        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+    ):
+        raise ValueError(f"{fname}: chunk_size must be a positive int or None, got {chunk_size!r}")
+    return AutoChunked(fn, max_chunk_bytes, chunk_size, bool(warn))

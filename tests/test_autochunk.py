@@ -1,0 +1,208 @@
+"""jaxmem.autochunk: the row-wise tail found, values and gradients equal the loss as written."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxmem
+
+N, D, V = 24, 8, 64
+KEYS = jax.random.split(jax.random.key(1), 6)
+X = jax.random.normal(KEYS[0], (N, D))
+W = jax.random.normal(KEYS[1], (D, V)) * 0.3
+Y = jax.random.randint(KEYS[2], (N,), 0, V)
+SMALL = 5 * V * 4  # a few rows of the [N, V] logits per chunk
+
+
+def ce(x, w, y):
+    return optax.softmax_cross_entropy_with_integer_labels(x @ w, y).mean()
+
+
+def _close(a, b, rtol=1e-5):
+    jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, rtol=rtol, atol=1e-6), a, b)
+
+
+def _same_grads(f, g, *args, argnums=(0, 1)):
+    """g (autochunked) equals f in value and gradient, eager and under jit."""
+    want = jax.value_and_grad(f, argnums=argnums)(*args)
+    _close(jax.value_and_grad(g, argnums=argnums)(*args), want)
+    _close(jax.jit(jax.value_and_grad(g, argnums=argnums))(*args), want)
+    _close(g(*args), f(*args))
+
+
+def _temp(f, *args, argnums=(0, 1)):
+    grad = jax.jit(jax.value_and_grad(f, argnums=argnums))
+    return grad.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_naive_cross_entropy_is_chunked_over_tokens():
+    lean = jaxmem.autochunk(ce, max_chunk_bytes=SMALL)
+    report = lean.explain(X, W, Y)
+    assert report.chunked and len(report.tails) == 1, str(report)
+    tail = report.tails[0]
+    assert (tail.axis, tail.rows, tail.chunk_size, tail.num_chunks) == (0, N, 5, 5)
+    assert tail.largest.startswith("float32[24,64]")
+    assert tail.largest_bytes == N * V * 4 and tail.chunk_bytes == 5 * V * 4
+    assert [s.split()[0] for s in tail.inputs] == ["float32[24,8]", "int32[24]"]
+    assert tail.shared == ("float32[8,64] args[1]",)
+    assert "5 chunks of 5" in str(report)
+    _same_grads(ce, lean, X, W, Y)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 24, 100])
+def test_explicit_chunk_sizes(chunk_size):
+    lean = jaxmem.autochunk(ce, chunk_size=chunk_size, warn=False)
+    _same_grads(ce, lean, X, W, Y)
+
+
+def test_tokens_with_batch_and_time_axes():
+    x, y = X.reshape(4, 6, D), Y.reshape(4, 6)
+
+    def flat(x, w, y):  # the head on [B * T, D], as many models write it
+        return ce(x.reshape(-1, D), w, y.reshape(-1))
+
+    for f in (ce, flat):
+        lean = jaxmem.autochunk(f, max_chunk_bytes=SMALL)
+        assert lean.explain(x, W, y).chunked
+        _same_grads(f, lean, x, W, y)
+
+
+def test_a_tail_after_a_token_mixing_trunk():
+    # Attention-like mixing of the rows first: the tail starts at its output, and the
+    # gradient flows on through the trunk as written.
+    def loss(x, w, y):
+        h = jax.nn.softmax(x @ x.T / 3.0, axis=-1) @ x
+        return ce(jnp.tanh(h), w, y) + 1e-3 * jnp.sum(h**2)
+
+    lean = jaxmem.autochunk(loss, max_chunk_bytes=SMALL)
+    report = lean.explain(X, W, Y)
+    assert report.chunked, str(report)
+    assert any("dot_general" in s for s in report.tails[0].inputs), report.tails[0].inputs
+    _same_grads(loss, lean, X, W, Y)
+
+
+def test_mlp_head_with_a_per_token_loss_keeps_a_quarter_of_the_temp():
+    n, d = 512, 32
+    x, t = jax.random.normal(KEYS[3], (n, d)), jax.random.normal(KEYS[4], (n, d))
+    w1 = jax.random.normal(KEYS[5], (d, 4 * d)) * 0.2
+    w2 = jax.random.normal(KEYS[0], (4 * d, d)) * 0.2
+
+    def head(x, w1, w2, t):
+        return jnp.mean((jax.nn.gelu(x @ w1) @ w2 - t) ** 2)
+
+    lean = jaxmem.autochunk(head, max_chunk_bytes=32 * 4 * d * 4)
+    assert lean.explain(x, w1, w2, t).tails[0].num_chunks == n // 32
+    _same_grads(head, lean, x, w1, w2, t, argnums=(0, 1, 2))
+    naive, chunked = (_temp(f, x, w1, w2, t, argnums=(0, 1, 2)) for f in (head, lean))
+    assert chunked <= naive / 4, (naive, chunked)
+
+
+def test_cross_entropy_temp_is_one_chunk_and_the_weight_gradient():
+    n, d, v = 512, 16, 2048
+    x, w = jnp.ones((n, d)), jnp.ones((d, v)) * 0.01
+    y = jnp.zeros((n,), jnp.int32)
+    lean = jaxmem.autochunk(ce, chunk_size=64)
+    naive, chunked = _temp(ce, x, w, y), _temp(lean, x, w, y)
+    logits, block, dw = n * v * 4, 64 * v * 4, d * v * 4
+    # Naive keeps the logits and their softmax. Chunked: at most two [chunk, V] blocks (the
+    # logits and their exp), or one and a chunk's gradient of w before it is added up (XLA:CPU
+    # does not fuse the add into the dot), whichever is more.
+    assert naive >= 2 * logits, naive
+    assert chunked <= max(2 * block, block + dw) + 64 * 1024, (chunked, block, dw)
+
+
+def test_masked_mean_and_a_hand_written_z_loss():
+    mask = (jnp.arange(N) % 3) != 0
+
+    def loss(x, w, y, mask):
+        logits = x @ w
+        per = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        z = 1e-2 * jnp.sum(jnp.where(mask, lse**2, 0.0))
+        return jnp.sum(jnp.where(mask, per, 0.0)) / jnp.sum(mask) + z
+
+    lean = jaxmem.autochunk(loss, max_chunk_bytes=SMALL)
+    assert lean.explain(X, W, Y, mask).chunked
+    _same_grads(loss, lean, X, W, Y, mask)
+
+
+def test_embedding_lookup_inside_the_tail():
+    table = jax.random.normal(KEYS[3], (50, D))
+    ids = jax.random.randint(KEYS[4], (N,), 0, 50)
+
+    def loss(table, w, ids, y):
+        return ce(table[ids] * 2.0, w, y)
+
+    lean = jaxmem.autochunk(loss, max_chunk_bytes=SMALL)
+    assert lean.explain(table, W, ids, Y).tails[0].shared[:1] == ("float32[50,8] args[0]",)
+    _same_grads(loss, lean, table, W, ids, Y)
+
+
+def test_closed_over_values_get_their_gradients():
+    def outer(s, x):
+        return jaxmem.autochunk(lambda x, w, y: s * ce(x * s, w, y), max_chunk_bytes=SMALL)(
+            x, W, Y
+        )
+
+    def stock(s, x):
+        return s * ce(x * s, W, Y)
+
+    _close(jax.grad(outer, argnums=(0, 1))(1.5, X), jax.grad(stock, argnums=(0, 1))(1.5, X))
+
+
+def test_random_numbers_and_custom_derivatives_end_the_tail():
+    key = jax.random.key(3)
+
+    def dropout_head(x, w, y):
+        logits = x @ w
+        keep = jax.random.bernoulli(key, 0.9, logits.shape)
+        return ce_logits(jnp.where(keep, logits, 0.0) / 0.9, y)
+
+    def relu_head(x, w, y):
+        return ce(jax.nn.relu(x), w, y) + jnp.sum(jax.nn.relu(x @ w) ** 2)
+
+    for f in (dropout_head, relu_head):
+        lean = jaxmem.autochunk(f, max_chunk_bytes=SMALL)
+        _same_grads(f, lean, X, W, Y)
+    stops = " ".join(lean.explain(X, W, Y).tails[0].stopped)
+    assert "custom_jvp_call is not row-wise" in stops, stops
+
+
+def ce_logits(logits, y):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def test_nothing_to_chunk_runs_as_written_and_says_why():
+    cases = {
+        "the result is not a scalar": (lambda x, w: x @ w, (X, W)),
+        "fits max_chunk_bytes": (lambda x, w: jnp.sum(x @ w), (X, W)),
+        "not row-wise": (lambda x, w: jnp.sum(jnp.sort(x @ w, axis=0)), (X, W)),
+        "no scalar sum": (lambda x, w: jnp.max(x @ w), (X, W)),
+    }
+    for why, (f, args) in cases.items():
+        lean = jaxmem.autochunk(f, max_chunk_bytes=SMALL if why != "fits max_chunk_bytes" else 10**6)
+        report = lean.explain(*args)
+        assert not report.chunked and why in report.reason, (why, report.reason)
+        assert why in str(report)
+        with pytest.warns(UserWarning, match="nothing chunked"):
+            out = lean(*args)
+        _close(out, f(*args))
+
+
+def test_forward_mode_is_a_clear_error():
+    lean = jaxmem.autochunk(ce, max_chunk_bytes=SMALL)
+    with pytest.raises(jaxmem.ForwardModeError, match="jaxmem.autochunk"):
+        jax.jvp(lambda x: lean(x, W, Y), (X,), (X,))
+
+
+def test_bad_options():
+    with pytest.raises(TypeError, match="fn must be callable"):
+        jaxmem.autochunk(3)
+    with pytest.raises(ValueError, match="max_chunk_bytes must be positive"):
+        jaxmem.autochunk(ce, max_chunk_bytes=0)
+    with pytest.raises(TypeError, match="max_chunk_bytes must be an int"):
+        jaxmem.autochunk(ce, max_chunk_bytes=1.5)
+    with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+        jaxmem.autochunk(ce, chunk_size=0)
