@@ -182,7 +182,8 @@ def test_nothing_to_chunk_runs_as_written_and_says_why():
         "no scalar sum": (lambda x, w: jnp.max(x @ w), (X, W)),
     }
     for why, (f, args) in cases.items():
-        lean = jaxmem.autochunk(f, max_chunk_bytes=SMALL if why != "fits max_chunk_bytes" else 10**6)
+        limit = 10**6 if why == "fits max_chunk_bytes" else SMALL
+        lean = jaxmem.autochunk(f, max_chunk_bytes=limit)
         report = lean.explain(*args)
         assert not report.chunked and why in report.reason, (why, report.reason)
         assert why in str(report)
