@@ -142,9 +142,7 @@ def test_embedding_lookup_inside_the_tail():
 
 def test_closed_over_values_get_their_gradients():
     def outer(s, x):
-        return jaxmem.autochunk(lambda x, w, y: s * ce(x * s, w, y), max_chunk_bytes=SMALL)(
-            x, W, Y
-        )
+        return jaxmem.autochunk(lambda x, w, y: s * ce(x * s, w, y), max_chunk_bytes=SMALL)(x, W, Y)
 
     def stock(s, x):
         return s * ce(x * s, W, Y)

@@ -496,9 +496,7 @@ class _Analysis:
     def run(self, fname: str):
         """Evaluates the loss: segments of the jaxpr as written, each tail chunk by chunk."""
         jaxpr = self.jaxpr
-        env: dict[Any, Any] = dict(
-            zip(jaxpr.constvars, _jc.jaxpr_consts(self.closed), strict=True)
-        )
+        env: dict[Any, Any] = dict(zip(jaxpr.constvars, _jc.jaxpr_consts(self.closed), strict=True))
         env.update(zip(jaxpr.invars, self.flat_args, strict=True))
         members = {i for tail, _ in self.tails for i in tail.eqns} | _rw.dead(jaxpr)
         at = {tail.reduction: (tail, size) for tail, size in self.tails}
@@ -541,9 +539,7 @@ class _Analysis:
 
             axes = [k for _, k in tail.split]
             (out,) = jaxpr.eqns[i].outvars
-            env[out] = _sum_of_chunks(
-                fn, split_vals, axes, param_vals, tail.rows, size, fname
-            )
+            env[out] = _sum_of_chunks(fn, split_vals, axes, param_vals, tail.rows, size, fname)
         flush(len(jaxpr.eqns))
         return jax.tree.unflatten(self.out_tree, [read(v) for v in jaxpr.outvars])
 

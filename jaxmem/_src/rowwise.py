@@ -476,9 +476,7 @@ def _eval(jaxpr, consts: Sequence, args: Sequence, axes: Axes, rows: int) -> lis
             if all(a is None for a in out_axes):  # shared by every row: runs as written
                 outs = _jc.jaxpr_as_fun(closed)(*invals)
             else:
-                outs = _eval(
-                    _jc.open_jaxpr(closed), _jc.jaxpr_consts(closed), invals, axes, rows
-                )
+                outs = _eval(_jc.open_jaxpr(closed), _jc.jaxpr_consts(closed), invals, axes, rows)
         else:
             outs = eqn.primitive.bind(*invals, **_rewrite(eqn, out_axes, rows))
             if not eqn.primitive.multiple_results:
