@@ -205,3 +205,19 @@ def test_bad_options():
         jaxmem.autochunk(ce, max_chunk_bytes=1.5)
     with pytest.raises(ValueError, match="chunk_size must be a positive int"):
         jaxmem.autochunk(ce, chunk_size=0)
+
+
+def test_next_token_loss_over_the_first_positions():
+    # logits[:, :-1] against tokens[:, 1:], as GPT losses are written: the slice of the first
+    # positions is row-wise, so the [B, T, V] logits need not exist.
+    emb = jax.random.normal(KEYS[3], (V, D))
+    tokens = jax.random.randint(KEYS[4], (3, 9), 0, V)
+
+    def loss(emb, w, tokens):
+        logits = jnp.tanh(emb[tokens]) @ w
+        return ce_logits(logits[:, :-1], tokens[:, 1:])
+
+    lean = jaxmem.autochunk(loss, max_chunk_bytes=6 * V * 4)
+    tail = lean.explain(emb, W, tokens).tails[0]
+    assert (tail.axis, tail.rows, tail.chunk_size) == (1, 8, 2), tail
+    _same_grads(loss, lean, emb, W, tokens)

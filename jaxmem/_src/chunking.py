@@ -429,7 +429,7 @@ class _Analysis:
                 tail = _rw.find_tail(self.jaxpr, r, axis)
                 if set(tail.eqns) & taken:
                     continue
-                if best is None or tail.largest[1] > best.largest[1]:
+                if best is None or (tail.largest[1], tail.rows) > (best.largest[1], best.rows):
                     best = tail
             if best is None:
                 self.skipped.append(f"the sum at {where}: no axis with more than one row")
@@ -457,8 +457,7 @@ class _Analysis:
     def _size(self, tail: _rw.Tail) -> int:
         if self.chunk_size is not None:
             return min(self.chunk_size, tail.rows)
-        per_row = max(1, math.ceil(tail.largest[1] / tail.rows))
-        return max(1, min(tail.rows, self.max_chunk_bytes // per_row))
+        return max(1, min(tail.rows, self.max_chunk_bytes // max(1, tail.row_bytes)))
 
     def _origin(self, v) -> str:
         if v in self.names:
@@ -480,7 +479,7 @@ class _Analysis:
                     num_chunks=-(-tail.rows // size),
                     largest=f"{_type(var.aval)} from {self._origin(var)}",
                     largest_bytes=nbytes,
-                    chunk_bytes=math.ceil(nbytes * size / tail.rows),
+                    chunk_bytes=tail.row_bytes * size,
                     inputs=tuple(f"{_type(v.aval)} {self._origin(v)}" for v, _ in tail.split),
                     shared=tuple(f"{_type(v.aval)} {self._origin(v)}" for v in tail.params),
                     stopped=tuple(

@@ -150,12 +150,12 @@ def _pad(eqn, out_axes):
 
 
 def _slice(eqn, out_axes):
+    # The first rows (``logits[:, :-1]``): row i is row i of the operand, whose later rows the
+    # tail does not read (the chunks cover the output's rows).
     (a,) = out_axes
     p = eqn.params
-    full = _shape(eqn.invars[0])[a]
     stride = 1 if p["strides"] is None else p["strides"][a]
-    ok = p["start_indices"][a] == 0 and p["limit_indices"][a] == full and stride == 1
-    return [a] if ok else None
+    return [a] if p["start_indices"][a] == 0 and stride == 1 else None
 
 
 def _split(eqn, out_axes):
@@ -291,11 +291,13 @@ class Tail:
     Attributes:
       reduction: the index of the ``reduce_sum`` equation in the top-level jaxpr.
       eqns: the indices of the tail's other equations, in order.
-      split: ``(var, axis)`` of each input carrying the rows (computed before the tail).
+      split: ``(var, axis)`` of each input carrying the rows (computed before the tail); it
+        may have more rows than ``rows`` (after a slice of the first rows), never fewer.
       params: the inputs shared by every row.
       rows: the number of rows.
       axes: per equation (by id, nested calls included): (input axes, output axes).
       largest: ``(var, bytes)`` of the tail's largest intermediate.
+      row_bytes: the bytes of one of its rows.
       stopped: ``(primitive, var)`` pairs where the walk back had to stop: the split inputs that
         are produced by an equation that is not row-wise.
     """
@@ -307,6 +309,7 @@ class Tail:
     rows: int
     axes: Axes
     largest: tuple[Any, int]
+    row_bytes: int
     stopped: tuple[tuple[str, Any], ...]
 
 
@@ -416,6 +419,7 @@ def find_tail(jaxpr, reduction: int, axis: int) -> Tail:
     rows = _shape(t)[axis]
     sizes = [(v, _jc.nbytes(v.aval)) for v in produced if not _is_drop(v) and v in required]
     largest = max(sizes, key=lambda p: p[1], default=(t, _jc.nbytes(t.aval)))
+    row_bytes = math.ceil(largest[1] / max(1, _shape(largest[0])[required.get(largest[0], axis)]))
     stopped = tuple((stops[v], v) for v in split if v in stops)
     assert not set(split) & set(params), "a tail input both split and shared"
     return Tail(
@@ -426,6 +430,7 @@ def find_tail(jaxpr, reduction: int, axis: int) -> Tail:
         rows,
         axes,
         largest,
+        row_bytes,
         stopped,
     )
 
