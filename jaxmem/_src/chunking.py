@@ -37,7 +37,7 @@ from jaxmem._src import rowwise as _rw
 from jaxmem._src.scan import ForwardModeError
 
 _REDUCTIONS = ("sum", "mean")
-DEFAULT_MAX_CHUNK_BYTES = 64 * 2**20
+DEFAULT_MAX_CHUNK_BYTES = 16 * 2**20
 
 _FORWARD_MODE = (
     "{fn} computes gradients chunk by chunk under a custom VJP, and JAX cannot apply "
@@ -317,6 +317,16 @@ class ChunkedTail:
       inputs: the tail's row inputs (type and where they come from), split into chunks.
       shared: the tail's inputs shared by every row (types).
       stopped: where the walk back from the reduction stopped, and why.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import jaxmem
+      >>> lean = jaxmem.autochunk(lambda x, w: jnp.sum(jnp.tanh(x @ w)), chunk_size=16)
+      >>> tail = lean.explain(jnp.ones((64, 4)), jnp.ones((4, 32))).tails[0]
+      >>> tail.axis, tail.rows, tail.num_chunks, tail.largest_bytes, tail.chunk_bytes
+      (0, 64, 4, 8192, 2048)
+      >>> tail.inputs, tail.shared
+      (('float32[64,4] args[0]',), ('float32[4,32] args[1]',))
     """
 
     where: str
@@ -346,6 +356,13 @@ class ChunkReport:
       reason: when ``tails`` is empty, why; else ``""``.
       skipped: candidate reductions left as written, each with the reason.
       max_chunk_bytes: the threshold the report was made with.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import jaxmem
+      >>> report = jaxmem.autochunk(lambda x: x * 2).explain(jnp.ones(3))
+      >>> report.chunked, report.reason
+      (False, 'the result is not a scalar (float32[3]): no sum over rows to chunk')
     """
 
     tails: tuple[ChunkedTail, ...]
@@ -569,7 +586,21 @@ def _later_uses(jaxpr, tails: Sequence[_rw.Tail]):
 
 
 class AutoChunked:
-    """The function :func:`autochunk` returns: call it like the loss; ``.explain(*args)``."""
+    """The function :func:`autochunk` returns: call it like the loss; ``.explain(*args)``.
+
+    Each call traces the loss for the arguments' types, finds the tails to chunk (as
+    ``explain`` reports them) and runs it; under :func:`jax.jit` that happens once per
+    compilation.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import jaxmem
+      >>> lean = jaxmem.autochunk(lambda x: jnp.sum(jnp.exp(x)), chunk_size=2)
+      >>> float(lean(jnp.zeros((5, 3))))
+      15.0
+      >>> lean.max_chunk_bytes == jaxmem.autochunk(len).max_chunk_bytes
+      True
+    """
 
     def __init__(self, fn, max_chunk_bytes: int, chunk_size: int | None, warn: bool):
         self._fn = fn
@@ -578,6 +609,11 @@ class AutoChunked:
         self._warn = warn
         self._warned: set = set()
         functools.update_wrapper(self, fn)
+
+    @property
+    def max_chunk_bytes(self) -> int:
+        """The bytes one chunk's largest intermediate may take."""
+        return self._max
 
     def _analysis(self, args) -> _Analysis:
         return _Analysis(self._fn, args, self._max, self._chunk_size, "jaxmem.autochunk")
@@ -634,7 +670,7 @@ def autochunk(
 
     Args:
       fn: the loss, returning a scalar.
-      max_chunk_bytes: the bytes one chunk's largest intermediate may take (default 64 MiB);
+      max_chunk_bytes: the bytes one chunk's largest intermediate may take (default 16 MiB);
         tails whose largest intermediate is smaller are left as written.
       chunk_size: rows per chunk, instead of the size derived from ``max_chunk_bytes``.
       warn: warn when nothing is chunked.

@@ -190,6 +190,7 @@ def _gather(eqn, out_axes):
 
 
 _CALLS = ("jit", "pjit", "closed_call", "core_call")
+_LAYOUT = ("transpose", "reshape", "squeeze", "broadcast_in_dim", "expand_dims")
 
 
 def _call_axes(eqn, out_axes) -> dict:
@@ -356,9 +357,17 @@ def find_tail(jaxpr, reduction: int, axis: int) -> Tail:
     for i in range(reduction - 1, -1, -1):
         eqn = eqns[i]
         outs = [required.get(v, "unused") for v in eqn.outvars if not _is_drop(v)]
-        if all(o == "unused" for o in outs) or any(o is None for o in outs):
-            continue  # not used by the tail, or used as a parameter (computed before it)
-        in_axes = None if "unused" in outs else _in_axes(eqn, outs)
+        if all(o == "unused" for o in outs):
+            continue  # not used by the tail
+        if all(o is None for o in outs) and eqn.primitive.name in _LAYOUT and not eqn.effects:
+            # A shared value's transpose or reshape (``embedding.T``, a LayerNorm scale as
+            # [1, 1, D]) joins the tail: its gradient is then the original's, and XLA folds the
+            # layout change into its use instead of a copy that lives through the loop.
+            in_axes = [None] * len(eqn.invars)
+        elif any(o is None for o in outs):
+            continue  # used as a parameter: computed before the tail
+        else:
+            in_axes = None if "unused" in outs else _in_axes(eqn, outs)
         conflict = in_axes is not None and any(
             _jc.is_var(v) and required.get(v, k) != k
             for v, k in zip(eqn.invars, in_axes, strict=True)
@@ -417,7 +426,9 @@ def find_tail(jaxpr, reduction: int, axis: int) -> Tail:
             else:
                 split[v] = k
     rows = _shape(t)[axis]
-    sizes = [(v, _jc.nbytes(v.aval)) for v in produced if not _is_drop(v) and v in required]
+    sizes = [
+        (v, _jc.nbytes(v.aval)) for v in produced if not _is_drop(v) and required.get(v) is not None
+    ]
     largest = max(sizes, key=lambda p: p[1], default=(t, _jc.nbytes(t.aval)))
     row_bytes = math.ceil(largest[1] / max(1, _shape(largest[0])[required.get(largest[0], axis)]))
     stopped = tuple((stops[v], v) for v in split if v in stops)
