@@ -142,7 +142,9 @@ def bench_mlp(n: int, d: int, run: bool, limit: int) -> dict[str, Any]:
     res["autochunk_over_naive"] = res["autochunk"] / res["naive"]
     if run:
         keys = jax.random.split(jax.random.key(1), 4)
-        vals = [jax.random.normal(k, sh) / np.sqrt(sh[0]) for k, sh in zip(keys, shapes, strict=True)]
+        vals = [
+            jax.random.normal(k, sh) / np.sqrt(sh[0]) for k, sh in zip(keys, shapes, strict=True)
+        ]
         grad = [jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2))) for f in (lean, head)]
         res["rel_err"] = _rel_err(grad[0](*vals), grad[1](*vals))
     return res
