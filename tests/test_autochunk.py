@@ -221,3 +221,15 @@ def test_next_token_loss_over_the_first_positions():
     tail = lean.explain(emb, W, tokens).tails[0]
     assert (tail.axis, tail.rows, tail.chunk_size) == (1, 8, 2), tail
     _same_grads(loss, lean, emb, W, tokens)
+
+
+def test_keyword_arguments():
+    def loss(x, w, *, labels, scale=1.0):
+        return scale * ce(x, w, labels)
+
+    lean = jaxmem.autochunk(loss, max_chunk_bytes=SMALL)
+    tail = lean.explain(X, W, labels=Y, scale=2.0).tails[0]
+    assert [s.split()[1] for s in tail.inputs] == ["args[0]", "kwargs['labels']"], tail.inputs
+    got = jax.value_and_grad(lambda x, w: lean(x, w, labels=Y, scale=2.0), argnums=(0, 1))(X, W)
+    want = jax.value_and_grad(lambda x, w: loss(x, w, labels=Y, scale=2.0), argnums=(0, 1))(X, W)
+    _close(got, want)

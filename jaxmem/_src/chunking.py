@@ -407,18 +407,22 @@ class _Analysis:
     """The jaxpr of a loss at given argument types and the tails chosen in it."""
 
     def __init__(self, fn, args, max_chunk_bytes: int, chunk_size: int | None, fname: str):
-        self.flat_args, self.in_tree = jax.tree.flatten(args)
-        closed = jax.make_jaxpr(fn)(*args)
+        args, kwargs = args
+        self.flat_args, self.in_tree = jax.tree.flatten((args, kwargs))
+        closed = jax.make_jaxpr(lambda a, k: fn(*a, **k))(args, kwargs)
         self.closed = closed
         self.jaxpr = _jc.open_jaxpr(closed)
-        self.out_tree = jax.tree.structure(jax.eval_shape(fn, *args))
+        self.out_tree = jax.tree.structure(jax.eval_shape(lambda a, k: fn(*a, **k), args, kwargs))
         self.max_chunk_bytes = max_chunk_bytes
         self.chunk_size = chunk_size
         self.tails: list[tuple[_rw.Tail, int]] = []
         self.skipped: list[str] = []
         self.reason = ""
-        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
-        self.names = {v: f"args{p}" for v, p in zip(self.jaxpr.invars, paths, strict=True)}
+        paths = [
+            ("args" if p[0].idx == 0 else "kwargs") + jax.tree_util.keystr(p[1:])
+            for p, _ in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]
+        ]
+        self.names = dict(zip(self.jaxpr.invars, paths, strict=True))
         self.producer = {v: e for e in self.jaxpr.eqns for v in e.outvars}
         self._choose()
 
@@ -615,13 +619,16 @@ class AutoChunked:
         """The bytes one chunk's largest intermediate may take."""
         return self._max
 
-    def _analysis(self, args) -> _Analysis:
-        return _Analysis(self._fn, args, self._max, self._chunk_size, "jaxmem.autochunk")
+    def _analysis(self, args, kwargs) -> _Analysis:
+        return _Analysis(self._fn, (args, kwargs), self._max, self._chunk_size, "jaxmem.autochunk")
 
-    def __call__(self, *args):
-        analysis = self._analysis(args)
+    def __call__(self, *args, **kwargs):
+        analysis = self._analysis(args, kwargs)
         if not analysis.tails:
-            key = (jax.tree.structure(args), tuple(map(_jc.struct, analysis.flat_args)))
+            key = (
+                jax.tree.structure((args, kwargs)),
+                tuple((np.shape(a), jnp.result_type(a)) for a in analysis.flat_args),
+            )
             if self._warn and key not in self._warned:
                 self._warned.add(key)
                 warnings.warn(
@@ -629,12 +636,12 @@ class AutoChunked:
                     f"chunked, the function runs as written: {analysis.reason}",
                     stacklevel=2,
                 )
-            return self._fn(*args)
+            return self._fn(*args, **kwargs)
         return analysis.run("jaxmem.autochunk")
 
-    def explain(self, *args) -> ChunkReport:
+    def explain(self, *args, **kwargs) -> ChunkReport:
         """What calling with ``args`` (arrays or ``jax.ShapeDtypeStruct``) chunks, and why."""
-        return self._analysis(args).report()
+        return self._analysis(args, kwargs).report()
 
 
 def autochunk(
