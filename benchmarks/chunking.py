@@ -268,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # autochunk's default max_chunk_bytes (16 MiB); tiny shapes need a tiny one to chunk at all.
     limit = 32 * 1024 if args.quick else jaxmem.autochunk(naive_ce).max_chunk_bytes
     if args.quick:
-        ce = bench_ce(256, 32, 2048, (32, 64), limit)
+        ce = bench_ce(256, 32, 2048, (64,), limit)
         ce_time = time_ce(256, 32, 2048, 64, 3) if time_it else None
         mlp = bench_mlp(256, 32, run=True, limit=limit)
     else:
