@@ -233,3 +233,20 @@ def test_keyword_arguments():
     got = jax.value_and_grad(lambda x, w: lean(x, w, labels=Y, scale=2.0), argnums=(0, 1))(X, W)
     want = jax.value_and_grad(lambda x, w: loss(x, w, labels=Y, scale=2.0), argnums=(0, 1))(X, W)
     _close(got, want)
+
+
+def test_bfloat16_inputs_sum_in_float32():
+    x, w = X.astype(jnp.bfloat16), W.astype(jnp.bfloat16)
+
+    def loss(x, w, y):
+        logits = jnp.dot(x, w, preferred_element_type=jnp.float32)
+        return ce_logits(logits, y)
+
+    lean = jaxmem.autochunk(loss, max_chunk_bytes=SMALL)
+    got = jax.value_and_grad(lean, argnums=(0, 1))(x, w, Y)
+    want = jax.value_and_grad(loss, argnums=(0, 1))(x, w, Y)
+    assert jax.tree.map(lambda a: a.dtype, got) == jax.tree.map(lambda a: a.dtype, want)
+    # Each chunk's bf16 gradient is rounded before the f32 sum: compare at the gradients' scale.
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        np.testing.assert_allclose(a, b, rtol=2e-2, atol=1e-2 * np.max(np.abs(b)))
