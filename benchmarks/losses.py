@@ -50,7 +50,7 @@ import math  # noqa: E402
 import pathlib  # noqa: E402
 import platform  # noqa: E402
 import re  # noqa: E402
-from collections.abc import Sequence  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
@@ -228,6 +228,76 @@ def time_ce(n: int, d: int, v: int, chunk: int, repeats: int = MIN_REPEATS) -> d
     return res
 
 
+def bench_tiled(
+    n: int, d: int, v: int, cce_chunks: Sequence[int], repeats: int, time_it: bool = True
+) -> dict[str, Any]:
+    """Token-tiled linear_cross_entropy (default tiles) vs naive, vocab-only and jax-cce.
+
+    Temp of the value-and-gradient (w.r.t. x and w) for each; with ``time_it``, all of them
+    timed interleaved (median of ``repeats``) on the same concrete arguments.
+    """
+    s = jax.ShapeDtypeStruct
+    args = (s((n, d), jnp.float32), s((d, v), jnp.float32), s((n,), jnp.int32))
+    losses: dict[str, Callable] = {
+        "naive": _naive_ce,
+        "jaxmem tiled (default)": lambda x, w, y: linear_cross_entropy(x, w, y),
+        "jaxmem vocab-only": lambda x, w, y: linear_cross_entropy(x, w, y, token_chunk_size=n),
+    }
+    try:
+        import jax_cce  # noqa: PLC0415
+
+        for c in cce_chunks:
+            losses[f"jax-cce c{c}"] = lambda x, w, y, c=c: jax_cce.linear_cross_entropy(
+                x, w.T, y, chunk_size=c
+            )
+    except ImportError:
+        print("jax-cce not installed: skipped")
+    grads = {k: jax.jit(jax.value_and_grad(f, argnums=(0, 1))) for k, f in losses.items()}
+    res: dict[str, Any] = {"N": n, "D": d, "V": v, "repeats": repeats, "rows": {}}
+    for k, g in grads.items():
+        res["rows"][k] = {"temp": g.lower(*args).compile().memory_analysis().temp_size_in_bytes}
+    if time_it:
+        kx, kw, kl = jax.random.split(jax.random.key(0), 3)
+        x = jax.random.normal(kx, (n, d))
+        w = jax.random.normal(kw, (d, v)) / np.sqrt(d)
+        y = jax.random.randint(kl, (n,), 0, v)
+        times = time_interleaved(grads, x, w, y, repeats=repeats)
+        want = times["naive"].output
+        for k, t in times.items():
+            err = max(
+                float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+                for a, b in zip(jax.tree.leaves(t.output), jax.tree.leaves(want), strict=True)
+            )
+            res["rows"][k].update(median_s=t.median_s, max_rel_err=err)
+    return res
+
+
+def _tiled_table(res: dict[str, Any]) -> str:
+    rows = res["rows"]
+    naive = rows["naive"]
+    cce = {k: r for k, r in rows.items() if k.startswith("jax-cce")}
+    lines = [f"token-tiled CE N={res['N']} D={res['D']} V={res['V']} (value and grad, f32)"]
+    for k, r in rows.items():
+        line = f"  {k:<24} temp {format_mib(r['temp']):>12} x{r['temp'] / naive['temp']:.4f}"
+        if "median_s" in r:
+            line += (
+                f"  time {r['median_s']:.2f} s x{r['median_s'] / naive['median_s']:.2f}"
+                f"  max rel. err {r['max_rel_err']:.1e}"
+            )
+        lines.append(line)
+    tiled = rows["jaxmem tiled (default)"]
+    if cce:
+        smallest = min(cce.values(), key=lambda r: r["temp"])
+        lines.append(
+            f"  tiled temp / jax-cce smallest temp: {tiled['temp'] / smallest['temp']:.3f}"
+        )
+        if all("median_s" in r for r in cce.values()):
+            fastest = min(cce, key=lambda k: cce[k]["median_s"])
+            ratio = tiled["temp"] / cce[fastest]["temp"]
+            lines.append(f"  tiled temp / jax-cce at its fastest ({fastest}): {ratio:.3f}")
+    return "\n".join(lines)
+
+
 def _mlp(batch: int, width: int, layers: int = 6):
     s = jax.ShapeDtypeStruct
     params = {
@@ -382,6 +452,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--time", action="store_true", help="also time naive vs jaxmem")
     parser.add_argument("--small", action="store_true", help="tiny shapes (smoke test)")
     parser.add_argument(
+        "--tiled",
+        action="store_true",
+        help="token-tiled cross-entropy vs naive, vocabulary-only and jax-cce chunk sizes",
+    )
+    parser.add_argument(
         "--sharded",
         action="store_true",
         help="vocabulary-parallel on 8 devices (x over 'data', w over 'model') instead",
@@ -389,6 +464,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.sharded:
         return _main_sharded(args)
+    if args.tiled:
+        if args.small:
+            res = bench_tiled(512, 32, 2048, (256, 512), repeats=3, time_it=args.time)
+        else:
+            res = bench_tiled(8192, 1024, 32768, (512, 1024, 2048, 4096), MIN_REPEATS, args.time)
+        print(_tiled_table(res))
+        if args.json:
+            _write_json(args.json, cross_entropy_tiled=res)
+        return 0
 
     if args.small:
         ce = bench_ce(256, 32, 4096, 256)

@@ -332,3 +332,58 @@ def test_memory_structural():
     for f, expect_nv in ((ours, False), (naive, True)):
         shapes = [r.shape for r in saved_residuals(lambda x, w, f=f: f(x, w, y), x, w)]
         assert ((n, v) in shapes) == expect_nv, shapes
+
+
+# ---------------------------------------------------------------------------------------------
+# Token tiles: [token_chunk, chunk] blocks instead of [N, chunk].
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 7, 12])  # 12 = N: one tile; 5, 7 leave a remainder
+def test_token_tiles_equal_naive(tokens):
+    x, w, b, labels = _data((3, 4))
+    mask = jnp.asarray(np.arange(12).reshape(3, 4) % 5 != 2)
+    opts = {"label_smoothing": 0.1, "z_loss": 1e-2}
+
+    def ours(x, w, b):
+        loss, lse = linear_cross_entropy(
+            x, w, labels, bias=b, where=mask, chunk_size=C, token_chunk_size=tokens,
+            return_lse=True, **opts,
+        )  # fmt: skip
+        return loss + 0.1 * jnp.sum(lse)
+
+    def naive(x, w, b):
+        lse = jax.nn.logsumexp(x @ w + b[None, None], axis=-1)
+        return _naive(x, w, b, labels, mask=mask, **opts) + 0.1 * jnp.sum(lse)
+
+    got = jax.value_and_grad(ours, argnums=(0, 1, 2))(x, w, b)
+    want = jax.value_and_grad(naive, argnums=(0, 1, 2))(x, w, b)
+    jax.tree.map(lambda a, e: np.testing.assert_allclose(a, e, rtol=RTOL, atol=1e-6), got, want)
+
+
+def test_token_tiles_bound_the_temp_whatever_the_token_count():
+    d, v, chunk, tokens = 16, 4096, 512, 64
+    block = tokens * chunk * 4
+
+    def temp(n, tile):
+        s = jax.ShapeDtypeStruct
+        args = (s((n, d), jnp.float32), s((d, v), jnp.float32), s((n,), jnp.int32))
+        f = functools.partial(linear_cross_entropy, chunk_size=chunk, token_chunk_size=tile)
+        grad = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))
+        return grad.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+    small, large = temp(512, tokens), temp(4096, tokens)
+    # A few [tokens, chunk] blocks, plus the [N] per-token vectors: nothing of size N x chunk.
+    assert large <= 4 * block + 4096 * 16, (large, block)
+    assert large - small <= (4096 - 512) * 16, (small, large)
+    assert temp(4096, None) == temp(4096, max(1, (16 * 2**20) // (4 * chunk)))  # the default rule
+    assert temp(4096, 4096) >= 2 * 4096 * chunk * 4  # vocabulary chunks only: [N, chunk] blocks
+
+
+def test_token_tile_options_are_checked():
+    x, w, _, labels = _data()
+    with pytest.raises(ValueError, match="token_chunk_size must be positive"):
+        linear_cross_entropy(x, w, labels, token_chunk_size=0)
+    with pytest.raises(TypeError, match="token_chunk_size must be an int"):
+        linear_cross_entropy(x, w, labels, token_chunk_size=2.0)
+    with pytest.raises(ValueError, match="block_bytes must be positive"):
+        linear_cross_entropy(x, w, labels, block_bytes=-1)

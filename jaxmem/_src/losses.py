@@ -42,6 +42,8 @@ _CALLER = "linear_cross_entropy"
 _REDUCTIONS = ("mean", "sum", "none")
 DEFAULT_CHUNK_SIZE = 2048
 """Default number of vocabulary columns per chunk of :func:`linear_cross_entropy`."""
+DEFAULT_BLOCK_BYTES = 16 * 2**20
+"""Default f32 bytes of one ``[token_chunk, chunk]`` block of :func:`linear_cross_entropy`."""
 
 
 class _Config(NamedTuple):
@@ -52,6 +54,7 @@ class _Config(NamedTuple):
     z_loss: float
     logit_softcap: float | None
     axis_name: str | None = None  # manual mesh axis over which w's columns are split, if any
+    token_chunk: int | None = None  # tokens per tile (None: all at once)
 
 
 def _describe(a: Any) -> str:
@@ -397,7 +400,39 @@ def _combine_shards(cfg: _Config, m, s, zy, zsum):
     return (m_all, *parts[:2], parts[2] if cfg.label_smoothing else zsum)
 
 
+def _tile(i, t: int, n: int):
+    """Start row and validity of token tile ``i`` (the last tile may overlap the previous)."""
+    start = jnp.minimum(i * t, n - t)
+    return start, start + jnp.arange(t) >= i * t
+
+
+def _tiles(cfg: _Config, n: int) -> int | None:
+    t = cfg.token_chunk
+    return None if t is None or t >= n else t
+
+
 def _forward(cfg: _Config, x, w, b, labels, mask):
+    n = x.shape[0]
+    t = _tiles(cfg, n)
+    if t is None:
+        return _forward_rows(cfg, x, w, b, labels, mask)
+
+    def body(i, carry):
+        loss, lse = carry
+        start, _ = _tile(i, t, n)
+        rows = [lax.dynamic_slice_in_dim(a, start, t) for a in (x, labels, mask)]
+        loss_t, lse_t = _forward_rows(cfg, rows[0], w, b, rows[1], rows[2])
+        # Rows of an overlapping last tile get the same values again.
+        return (
+            lax.dynamic_update_slice_in_dim(loss, loss_t, start, axis=0),
+            lax.dynamic_update_slice_in_dim(lse, lse_t, start, axis=0),
+        )
+
+    zeros = jnp.zeros((n,), jnp.float32)
+    return lax.fori_loop(0, -(-n // t), body, (zeros, zeros))
+
+
+def _forward_rows(cfg: _Config, x, w, b, labels, mask):
     v = w.shape[1]
     offset, v_total = _vocab_offset(cfg, v)
     num_chunks = -(-v // cfg.chunk_size)
@@ -446,6 +481,32 @@ def _lce_fwd(cfg, x, w, b, labels, mask):
 def _lce_bwd(cfg, res, cts):
     x, w, b, labels, mask, lse = res
     g_loss, g_lse = cts
+    n = x.shape[0]
+    t = _tiles(cfg, n)
+    if t is None:
+        dx, dw, db = _bwd_rows(cfg, x, w, b, labels, mask, lse, g_loss, g_lse, None, None)
+        return _psum_to(dx, x).astype(x.dtype), dw, db, None, None
+
+    def body(i, carry):
+        dx, dw, db = carry
+        start, new = _tile(i, t, n)
+        rows = [lax.dynamic_slice_in_dim(a, start, t) for a in (x, labels, mask, lse)]
+        g = [lax.dynamic_slice_in_dim(a, start, t) for a in (g_loss, g_lse)]
+        # Rows an overlapping last tile repeats add nothing to dw (zero cotangents) and keep
+        # the dx they have.
+        g = [jnp.where(new, a, 0.0) for a in g]
+        dx_t, dw, db = _bwd_rows(cfg, rows[0], w, b, rows[1], rows[2], rows[3], *g, dw, db)
+        old = lax.dynamic_slice_in_dim(dx, start, t)
+        dx_t = jnp.where(new[:, None], dx_t.astype(dx.dtype), old)
+        return lax.dynamic_update_slice_in_dim(dx, dx_t, start, axis=0), dw, db
+
+    init = (jnp.zeros_like(x), jnp.zeros_like(w), None if b is None else jnp.zeros_like(b))
+    dx, dw, db = lax.fori_loop(0, -(-n // t), body, init)
+    return dx, dw, db, None, None
+
+
+def _bwd_rows(cfg, x, w, b, labels, mask, lse, g_loss, g_lse, dw, db):
+    """dx (f32, not yet summed over vocabulary shards), and dw, db added to the given ones."""
     v = w.shape[1]
     offset, v_total = _vocab_offset(cfg, v)
     alpha = cfg.label_smoothing
@@ -489,11 +550,10 @@ def _lce_bwd(cfg, res, cts):
 
     init = (
         _vary(jnp.zeros_like(x, jnp.float32), _manual_axes(x, w, b, labels, mask)),
-        jnp.zeros_like(w),
-        None if b is None else jnp.zeros_like(b),
+        jnp.zeros_like(w) if dw is None else dw,
+        None if b is None else jnp.zeros_like(b) if db is None else db,
     )
-    dx, dw, db = lax.fori_loop(0, num_chunks, body, init)
-    return _psum_to(dx, x).astype(x.dtype), dw, db, None, None
+    return lax.fori_loop(0, num_chunks, body, init)
 
 
 _lce_core.defvjp(_lce_fwd, _lce_bwd)
@@ -514,15 +574,19 @@ def linear_cross_entropy(
     reduction: str = "mean",
     return_lse: bool = False,
     vocab_axis: str | None = None,
+    token_chunk_size: int | None = None,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Softmax cross-entropy of ``x @ w (+ bias)`` without materializing the [N, V] logits.
 
     Equal (up to float rounding) to
     ``optax.softmax_cross_entropy_with_integer_labels(x @ w + bias, labels)`` followed by the
     reduction, but computed chunk by chunk over the vocabulary with an online log-sum-exp in f32,
-    under a :func:`jax.custom_vjp` whose backward pass recomputes each chunk's logits. The saved
+    under a :func:`jax.custom_vjp` whose backward pass recomputes each chunk's logits. Tokens
+    run in tiles of ``token_chunk_size`` (by default as many as fit ``block_bytes`` in one f32
+    ``[tile, chunk_size]`` block), each tile walking the vocabulary chunks. The saved
     residuals are ``x``, ``w``, ``bias``, ``labels``, the token mask and one f32 log-sum-exp per
-    token; the largest temporary is a few ``[N, chunk_size]`` f32 buffers.
+    token; the largest temporary is a few ``[token_chunk_size, chunk_size]`` f32 blocks.
 
     Per token (``z`` = logits after the optional softcap, ``y`` = label, ``a`` = label_smoothing)::
 
@@ -595,6 +659,13 @@ def linear_cross_entropy(
       vocab_axis: Name of the mesh axis ``w``'s V dimension is sharded over, for the
         vocabulary-parallel loss (above), or None: inferred from ``w``'s type under an Explicit
         mesh, else no vocabulary split.
+      token_chunk_size: Tokens per tile (positive int), or None (default): chosen so that one
+        f32 ``[token_chunk_size, chunk_size]`` block takes at most ``block_bytes``, i.e.
+        ``max(1, block_bytes // (4 * chunk_size))`` (2048 tokens with the defaults). Fewer
+        tokens than that run as one tile. Not with a vocabulary split (each shard then runs all
+        its tokens at once).
+      block_bytes: The memory target of the default token tile (default
+        ``DEFAULT_BLOCK_BYTES``, 16 MiB).
 
     Returns:
       The loss (a scalar, or ``labels.shape`` for ``"none"``), f32; with ``return_lse``, the pair
@@ -696,7 +767,24 @@ got labels[0, 0] = -100, labels[1, 2] = 50. Mark such tokens with ignore_index o
             np_valid = np_valid & (np_labels != ignore_index)
         _check_labels_concretely(np_labels, np_valid, v)
 
-    cfg = _Config(min(int(chunk_size), v_local), alpha, zc, cap)
+    for name, val in (("token_chunk_size", token_chunk_size), ("block_bytes", block_bytes)):
+        if val is not None and (isinstance(val, bool) or not isinstance(val, (int, np.integer))):
+            raise TypeError(f"{_CALLER}: {name} must be an int, got {type(val).__name__}")
+        if val is not None and val <= 0:
+            raise ValueError(f"{_CALLER}: {name} must be positive, got {val}")
+    chunk = min(int(chunk_size), v_local)
+    if split is not None:
+        if token_chunk_size is not None:
+            raise ValueError(
+                f"{_CALLER}: token_chunk_size does not combine with a vocabulary split "
+                f"(vocab_axis={split.axis!r}): each shard's block is [tokens, chunk_size / shards]"
+            )
+        tokens = None
+    elif token_chunk_size is not None:
+        tokens = int(token_chunk_size)
+    else:
+        tokens = max(1, int(block_bytes) // (4 * chunk))
+    cfg = _Config(chunk, alpha, zc, cap, token_chunk=tokens)
     loss, lse = _per_token(cfg, split, x2, w, bias, labels1, mask)
     out_of_range = mask & ((labels1 < 0) | (labels1 >= v))
     loss = jnp.where(out_of_range, jnp.nan, loss)
