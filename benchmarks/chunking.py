@@ -7,9 +7,9 @@ value-and-gradient, times interleaved in one process, min/median):
 1. Cross-entropy of an LM head, ``optax.softmax_cross_entropy_with_integer_labels(x @ w, y)
    .mean()`` at N=8192 tokens, D=1024, V=32768 (f32): the naive loss, ``autochunk`` of it
    (chunks of rows), the hand-written ``jaxmem.losses.linear_cross_entropy`` and ``jax-cce``
-   0.1.0 (both chunks of vocabulary columns) at the same chunking: the chunk's ``[rows, V]`` or
-   ``[N, columns]`` block of the same bytes. Times at N=2048, D=512, V=16384 (the N=8192 step
-   takes seconds per run on a CPU).
+   0.1.0 (both chunks of vocabulary columns, all tokens at once: ``token_chunk_size=N``) at the
+   same chunking: the chunk's ``[rows, V]`` or ``[N, columns]`` block of the same bytes. Times
+   at N=2048, D=512, V=16384 (the N=8192 step takes seconds per run on a CPU).
 2. A big-MLP head with a per-token loss: ``mean((gelu(x @ w1) @ w2 - t) ** 2)``, tokens x 4d
    hidden (N=8192, d=1024): naive vs ``autochunk``.
 3. The training step of a GPT-2-small-shaped model (12 layers, d 768, 12 heads, vocabulary
@@ -82,7 +82,10 @@ def bench_ce(n: int, d: int, v: int, row_chunks: Sequence[int], limit: int) -> d
             "block_bytes": rows * v * 4,
             "autochunk": _temp(lean, *args),
             "linear_cross_entropy": _temp(
-                lambda x, w, y, c=cols: linear_cross_entropy(x, w, y, chunk_size=c), *args
+                lambda x, w, y, c=cols: linear_cross_entropy(
+                    x, w, y, chunk_size=c, token_chunk_size=n
+                ),
+                *args,
             ),
         }
         row["jax_cce"] = (
@@ -107,7 +110,9 @@ def time_ce(n: int, d: int, v: int, rows: int, repeats: int) -> dict[str, Any]:
     losses = {
         "naive": naive_ce,
         "autochunk": jaxmem.autochunk(naive_ce, chunk_size=rows),
-        "linear_cross_entropy": lambda x, w, y: linear_cross_entropy(x, w, y, chunk_size=cols),
+        "linear_cross_entropy": lambda x, w, y: linear_cross_entropy(
+            x, w, y, chunk_size=cols, token_chunk_size=n
+        ),
     }
     cce = _cce()
     if cce is not None:
