@@ -34,6 +34,9 @@ from jaxmem._src.profile import compare as compare
 from jaxmem._src.profile import profile as profile
 from jaxmem._src.residuals import PlannedResidual as PlannedResidual
 from jaxmem._src.residuals import ScanPlan as ScanPlan
+from jaxmem._src.reversible import Coupling as Coupling
+from jaxmem._src.reversible import reversible as reversible
+from jaxmem._src.reversible import reversible_scan as reversible_scan
 from jaxmem._src.scan import ForwardModeError as ForwardModeError
 from jaxmem._src.scan import StepCounter as StepCounter
 from jaxmem._src.scan import scan as scan
@@ -56,6 +59,7 @@ __all__ = [
     "BufferGroup",
     "BufferReport",
     "CheckpointSchedule",
+    "Coupling",
     "ChunkReport",
     "ChunkedTail",
     "Comparison",
@@ -81,6 +85,8 @@ __all__ = [
     "plan",
     "policies",
     "profile",
+    "reversible",
+    "reversible_scan",
     "scan",
     "scan_residuals",
     "scanned",
