@@ -98,6 +98,15 @@ class Coupling:
 
     Attributes:
       fns: the update functions, one per stream.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import jaxmem
+      >>> block = jaxmem.reversible(lambda p, x2: p * x2, lambda p, y1: -y1)
+      >>> len(block.fns)
+      2
+      >>> [v.tolist() for v in block(3.0, (jnp.ones(2), jnp.ones(2)))]  # y1 = 1 + 3, y2 = 1 - 4
+      [[4.0, 4.0], [-3.0, -3.0]]
     """
 
     fns: tuple[Callable[..., Any], ...]
