@@ -44,6 +44,7 @@ from jax import lax
 from jax.tree_util import tree_flatten, tree_map, tree_structure, tree_unflatten
 
 from jaxmem._src import checks
+from jaxmem._src import policies as _policies
 from jaxmem._src.scan import ForwardModeError, _apply_policy
 
 _FORWARD_MODE = (
@@ -190,8 +191,8 @@ class Coupling:
             reconstruction from them, bounding the floating-point drift to ``k`` layers.
           policy: a remat policy for the functions' VJP in the backward loop (a
             :mod:`jaxmem.policies` policy, one of ``jax.checkpoint_policies``, or a preset
-            name): it bounds the memory of one layer's backward step. ``"auto"`` takes the
-            active :func:`jaxmem.use_plan`'s.
+            name such as ``"dots"``): it bounds the memory of one layer's backward step.
+            ``"auto"`` takes the active :func:`jaxmem.use_plan`'s.
           unroll: loop unrolling passed to :func:`jax.lax.scan` (forward and backward loops).
 
         Returns:
@@ -222,6 +223,11 @@ class Coupling:
         streams = self._check_streams(streams, fname)
         n_layers = _check_params(params, length, fname)
         k = _check_anchor(anchor_every, n_layers, fname)
+        if isinstance(policy, str) and policy != "auto":
+            try:
+                policy = _policies.by_name(policy)
+            except ValueError as e:
+                raise ValueError(f"{fname}: {e}") from None
         fns = tuple(_apply_policy(fn, policy, fname) for fn in self.fns)
         p0 = tree_map(lambda a: a[0], params)
         self._check_shapes(fns, p0, streams, fname)
@@ -308,9 +314,9 @@ def _check_params(params: Any, length: Any, fname: str) -> int:
         if n is None:
             n, first = shape[0], where
         elif shape[0] != n:
-            origin = f"{first}'s" if first else "length"
+            origin = f"{first} has {n}" if first else f"length is {n}"
             raise ValueError(
-                f"{fname}: {where} has leading axis {shape[0]}, but {origin} is {n}; every leaf "
+                f"{fname}: {where} has leading axis {shape[0]}, but {origin}; every leaf "
                 f"of params is sliced per layer along its leading axis"
             )
         first = first or where
@@ -374,7 +380,7 @@ def _make_run(fns, p_tree, diff, s_trees, c_diff, n_layers: int, k: int | None, 
             return layer(s, *x, cd, cf), None
 
         if k is None:
-            s, _ = lax.scan(body, s, (p_d, p_f), unroll=unroll)
+            s, _ = lax.scan(body, s, (p_d, p_f), length=n_layers, unroll=unroll)
             return s, None
         r = n_layers % k
         q = n_layers // k
@@ -425,7 +431,9 @@ def _make_run(fns, p_tree, diff, s_trees, c_diff, n_layers: int, k: int | None, 
             return back_layer(carry, x, cd, cf)
 
         if k is None:
-            (s, ds, dcd), dp = lax.scan(body, (s, ds, dcd), (p_d, p_f), reverse=True, unroll=unroll)
+            (s, ds, dcd), dp = lax.scan(
+                body, (s, ds, dcd), (p_d, p_f), length=n_layers, reverse=True, unroll=unroll
+            )
             return ds, dp, dcd
         r = n_layers % k
         q = n_layers // k
