@@ -373,3 +373,39 @@ def test_forward_mode_is_a_clear_error():
     params = make_params(2)
     with pytest.raises(jaxmem.ForwardModeError, match="reverse-mode differentiation only"):
         jax.jvp(lambda x: jaxmem.reversible_scan(f, g, x, params), (X,), (X,))
+
+
+# ------------------------------------------------------------------------------------------
+# On a device mesh (the root conftest gives 8 CPU devices).
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (CPU) devices")
+@pytest.mark.parametrize(
+    "axis_type",
+    [jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit],
+    ids=["auto", "explicit"],
+)
+def test_data_parallel_on_a_mesh(axis_type):
+    """Streams sharded over 'data', weights over 'model': values, gradients and the gradients'
+    shardings equal the direct computation's on the same sharded inputs."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    depth, batch = 4, 8
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
+    params = make_params(depth)
+    streams = tuple(jax.random.normal(jax.random.key(i), (batch, D)) for i in (20, 21))
+    with jax.set_mesh(mesh):
+        params = {
+            k: jax.device_put(
+                v, NamedSharding(mesh, P(None, None, "model") if k[1] == "1" else P())
+            )
+            for k, v in params.items()
+        }
+        streams = tuple(jax.device_put(v, NamedSharding(mesh, P("data"))) for v in streams)
+        want = grads(lambda p, x: direct((f, g), p, x, depth), params, streams)
+        got = grads(lambda p, x: jaxmem.reversible_scan(f, g, x, p), params, streams)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    assert rel_err(got[1], want[1]) < 1e-5
+    for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (a.sharding, b.sharding)
