@@ -9,8 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxmem.flax import linen as jl
+from jaxmem.flax import nnx as jn
 
 L, B, D = 8, 2, 16
 
@@ -129,8 +131,6 @@ def test_linen_dropout_replays_per_layer_keys():
     assert_close(got, want)
     other = _linen_grads(ref, params, {"dropout": jax.random.key(8)}, False, direct=True)
     assert max_rel(got, other) > 1e-2  # the masks matter: other keys, other gradients
-    no_drop = _linen_grads(stack, params, rngs, deterministic=True)
-    assert max_rel(got, no_drop) > 1e-2
 
 
 def test_linen_unsplit_params_stream_is_shared_by_layers():
@@ -207,3 +207,148 @@ def test_linen_memory_flat_in_depth():
     assert deep <= 1.15 * shallow, (shallow, deep)
     stored = _linen_temp(16, reversible=False)  # the loop stores every layer's activations
     assert deep < 0.5 * stored, (deep, stored)
+
+
+# ------------------------------------------------------------------------------------------
+# NNX
+
+
+class NnxMlp(nnx.Module):
+    def __init__(self, width=D, rate=0.0, *, rngs):
+        self.up = nnx.Linear(width, 2 * width, rngs=rngs)
+        self.down = nnx.Linear(2 * width, width, rngs=rngs)
+        self.drop = nnx.Dropout(rate, rngs=rngs)
+
+    def __call__(self, h, scale, deterministic=True):
+        x = self.drop(jnp.tanh(self.up(h)) * scale, deterministic=deterministic)
+        return 0.5 * self.down(x)
+
+
+def _nnx_stack(length=L, rate=0.0, seed=0, **kw):
+    def make(rngs):
+        return NnxMlp(rate=rate, rngs=rngs)
+
+    return jn.reversible_layers(make, make, length, rngs=nnx.Rngs(seed, dropout=seed + 1), **kw)
+
+
+def _layer(stacked, i):
+    """Layer ``i`` of a stacked block, as its own module (a copy)."""
+    graphdef, state = nnx.split(stacked)
+    return nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
+
+
+def _nnx_direct(stack, x1, x2, scale, deterministic):
+    for i in range(stack.length):
+        x1 = x1 + _layer(stack.f, i)(x2, scale, deterministic)
+        x2 = x2 + _layer(stack.g, i)(x1, scale, deterministic)
+    return x1, x2
+
+
+def _nnx_grads(stack, deterministic=True, direct=False):
+    graphdef, params, rest = nnx.split(stack, nnx.Param, ...)
+    scale = jnp.float32(1.5)
+
+    def loss(params, x1, x2, rest):
+        m = nnx.merge(graphdef, params, rest, copy=True)
+        if direct:
+            y1, y2 = _nnx_direct(m, x1, x2, scale, deterministic)
+        else:
+            y1, y2 = m((x1, x2), scale, deterministic)
+        return jnp.sum(jnp.sin(y1) * y2)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(params, X1, X2, rest)
+
+
+def test_nnx_layout_and_distinct_init():
+    stack = _nnx_stack()
+    assert stack.f.up.kernel.shape == (L, D, 2 * D)
+    assert stack.g.down.bias.shape == (L, D)
+    params = nnx.state(stack, nnx.Param)
+    assert all(x.shape[0] == L for x in jax.tree.leaves(params))
+    kf, kg = stack.f.up.kernel[...], stack.g.up.kernel[...]
+    for i in range(L):  # every layer and block initialized with its own key
+        assert not np.allclose(kf[i], kf[(i + 1) % L])
+        assert not np.allclose(kf[i], kg[i])
+    keys = jax.random.key_data(stack.f.drop.rngs.key[...])
+    assert keys.shape[0] == L and len({tuple(np.ravel(k)) for k in keys}) == L
+
+
+@pytest.mark.parametrize("policy", [None, "dots", jax.checkpoint_policies.nothing_saveable])
+def test_nnx_gradients_match_direct_loop(policy):
+    stack = _nnx_stack(policy=policy)
+    assert_close(_nnx_grads(stack), _nnx_grads(stack, direct=True))
+
+
+def test_nnx_dropout_replays_per_layer_keys():
+    stack = _nnx_stack(rate=0.5, anchor_every=3)
+    got = _nnx_grads(stack, deterministic=False)
+    assert_close(got, _nnx_grads(stack, deterministic=False, direct=True))
+    other = _nnx_stack(rate=0.5, seed=5)
+    nnx.update(other, nnx.state(stack, nnx.Param))  # same params, other dropout keys
+    assert max_rel(got, _nnx_grads(other, deterministic=False, direct=True)) > 1e-2
+
+
+def test_nnx_rng_counters_advance_like_the_layers():
+    stack, ref = _nnx_stack(rate=0.5), _nnx_stack(rate=0.5)
+    y = stack((X1, X2), 1.0, False)
+    first = tuple(np.asarray(v) for v in y)
+    want = _nnx_direct(ref, X1, X2, 1.0, False)
+    assert_close(y, want)
+    counts = stack.f.drop.rngs.count[...]
+    np.testing.assert_array_equal(counts, np.ones(L))
+    np.testing.assert_array_equal(stack.g.drop.rngs.count[...], np.ones(L))
+    second = stack((X1, X2), 1.0, False)  # new masks on the next call
+    assert max_rel(second, first) > 1e-2
+    stack((X1, X2), 1.0, True)  # deterministic: no draws
+    np.testing.assert_array_equal(stack.f.drop.rngs.count[...], 2 * np.ones(L))
+
+
+class NnxWide(nnx.Module):
+    def __init__(self, *, rngs):
+        self.lin = nnx.Linear(D, D + 8, rngs=rngs)
+
+    def __call__(self, h, *args):
+        return self.lin(h)
+
+
+def test_nnx_errors():
+    def make(rngs):
+        return NnxMlp(rngs=rngs)
+
+    with pytest.raises(TypeError, match=r"the f block \(NnxWide\) returned float32\[2,24\].*x1"):
+        jn.reversible_layers(lambda rngs: NnxWide(rngs=rngs), make, 2, rngs=nnx.Rngs(0))((X1, X2))
+    with pytest.raises(ValueError, match=r"g.*BatchStat state"):
+        jn.reversible_layers(make, lambda rngs: nnx.BatchNorm(D, rngs=rngs), 2, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="Module instance"):
+        jn.ReversibleLayers(NnxMlp(rngs=nnx.Rngs(0)), make, 2, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="must return an nnx.Module"):
+        jn.ReversibleLayers(lambda rngs: 1.0, make, 2, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="length >= 1"):
+        jn.ReversibleLayers(make, make, 0, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="unknown policy"):
+        jn.ReversibleLayers(make, make, 2, rngs=nnx.Rngs(0), policy="bogus")
+    stack = jn.ReversibleLayers(make, make, 2, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match=r"pair of streams \(x1, x2\)"):
+        stack(X1, 1.0)
+
+
+def _nnx_temp(depth):
+    x = jnp.ones((BM, DM))
+
+    def make(rngs):
+        return NnxMlp(DM, rngs=rngs)
+
+    stack = jn.reversible_layers(make, make, depth, rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(stack, nnx.Param, ...)
+
+    def loss(params, x, rest):
+        y1, y2 = nnx.merge(graphdef, params, rest, copy=True)((x, x), 1.0)
+        return jnp.sum(y1 * y2)
+
+    compiled = jax.jit(jax.grad(loss)).lower(params, x, rest).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_nnx_memory_flat_in_depth():
+    shallow, deep = _nnx_temp(2), _nnx_temp(16)
+    assert deep <= 1.15 * shallow, (shallow, deep)

@@ -11,7 +11,7 @@ Examples:
   >>> sorted(linen.__all__)
   ['remat', 'reversible_layers', 'scan', 'scan_layers']
   >>> sorted(nnx.__all__)
-  ['ScanLayers', 'remat', 'scan', 'scan_layers']
+  ['ReversibleLayers', 'ScanLayers', 'remat', 'reversible_layers', 'scan', 'scan_layers']
 """
 
 try:

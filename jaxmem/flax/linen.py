@@ -11,7 +11,7 @@ Examples:
 from jaxmem._src.flax_linen import remat as remat
 from jaxmem._src.flax_linen import scan as scan
 from jaxmem._src.flax_linen import scan_layers as scan_layers
-from jaxmem._src.flax_reversible import reversible_layers as reversible_layers
+from jaxmem._src.flax_linen_reversible import reversible_layers as reversible_layers
 
 __all__ = [
     "remat",
