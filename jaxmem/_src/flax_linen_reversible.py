@@ -1,4 +1,4 @@
-"""Reversible layer stacks for Flax: :func:`jaxmem.reversible_scan` over linen and NNX blocks.
+"""Reversible layer stacks for Flax linen (and the checks the NNX form shares).
 
 Each layer is the RevNet coupling ``y1 = x1 + F(x2)``, ``y2 = x2 + G(y1)`` with ``F`` and ``G``
 Flax blocks, and the stack runs through :func:`jaxmem.reversible_scan`, so its gradient keeps
@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax.core import meta
 from jax.tree_util import keystr, tree_flatten_with_path, tree_structure
 
+from jaxmem._src import checks
 from jaxmem._src import reversible as _rev
 from jaxmem._src import scan as _scan
 from jaxmem._src.flax_linen import (
@@ -55,42 +56,33 @@ def _check_streams(streams: Any, fname: str) -> tuple[Any, Any]:
     if not isinstance(streams, tuple | list) or len(streams) != 2:
         raise TypeError(
             f"{fname}: the stack is called with the pair of streams (x1, x2) first, e.g. "
-            f"stack((x, x), ...), and returns (y1, y2); got {type(streams).__name__} "
-            f"{_rev._tree_str(streams) if isinstance(streams, tuple | list) else ''}".rstrip()
+            f"stack((x, x), ...), and returns (y1, y2); got {checks.describe(streams)}"
         )
     return streams[0], streams[1]
 
 
 def _check_block_output(out: Any, want: Any, label: str, stream: str, fname: str, lead: int):
-    """``out`` (with ``lead`` leading layer axes) must be shaped like stream ``want``."""
-    shapes = jax.tree.map(lambda x: (x.shape[lead:], jnp.dtype(x.dtype)), out)
-    wanted = jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), want)
-    ok = tree_structure(out) == tree_structure(want)
-    if ok:
-        for (path, got), exp in zip(
-            tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))[0],
-            jax.tree.leaves(wanted, is_leaf=lambda x: isinstance(x, tuple)),
-            strict=True,
-        ):
-            if got != exp:
-                where = f"{stream}{keystr(path)}"
-                raise TypeError(
-                    f"{fname}: {label} returned {_aval(got)}, but its result is added to stream "
-                    f"{where} ({_aval(exp)}): a reversible layer cannot change shapes or "
-                    f"dtypes. Make the block return arrays like its stream (e.g. project back "
-                    f"to the stream's width)."
-                )
-        return
-    raise TypeError(
-        f"{fname}: {label} must return the structure of stream {stream} "
-        f"({_rev._tree_str(want)}), since its result is added to that stream; it returned "
-        f"{tree_structure(out)}"
-    )
+    """The block output ``out`` (``lead`` leading layer axes) must be like stream ``want``."""
+    if tree_structure(out) != tree_structure(want):
+        raise TypeError(
+            f"{fname}: {label} must return the structure of stream {stream} "
+            f"({_rev._tree_str(want)}), since its result is added to that stream; it returned "
+            f"{tree_structure(out)}"
+        )
+    for (path, got), exp in zip(tree_flatten_with_path(out)[0], jax.tree.leaves(want), strict=True):
+        got_aval = _aval(got.shape[lead:], got.dtype)
+        exp_aval = _aval(jnp.shape(exp), jnp.result_type(exp))
+        if got_aval != exp_aval:
+            raise TypeError(
+                f"{fname}: {label} returned {got_aval}, but its result is added to stream "
+                f"{stream}{keystr(path)} ({exp_aval}): a reversible layer cannot change "
+                "shapes or dtypes. Make the block return arrays like its stream (e.g. project "
+                "back to the stream's width)."
+            )
 
 
-def _aval(shape_dtype: tuple) -> str:
-    shape, dtype = shape_dtype
-    return f"{dtype.name}[{','.join(str(d) for d in shape)}]"
+def _aval(shape: tuple, dtype: Any) -> str:
+    return f"{jnp.dtype(dtype).name}[{','.join(str(d) for d in shape)}]"
 
 
 def _check_options(policy, anchor_every, unroll, length, fname):
@@ -152,22 +144,10 @@ class _LinenReversible(nn.Module):
         fname = "jaxmem.flax.linen.reversible_layers"
         x1, x2 = _check_streams(streams, fname)
         f_mod, g_mod = spec.f_block(parent=None), spec.g_block(parent=None)
-        blocks = {"f": (f_mod, x2, x1, "f_block", "x1"), "g": (g_mod, x1, x2, "g_block", "x2")}
-        params = {}
-        for name, (mod, inp, out_like, what, stream) in blocks.items():
-            if not self.has_variable("params", name):  # init (flax's param() would trace
-                # the initializer at apply too, drawing from the RNG streams)
-                if not self.is_mutable_collection("params"):
-                    raise ValueError(
-                        f"{fname}: params has no entry {name!r} ({what}'s stacked params) at "
-                        f"{'/'.join(self.scope.path) or 'the top level'}; pass the variables "
-                        f"init returned, laid out as {{'f': ..., 'g': ...}}."
-                    )
-                label = f"{what} ({type(mod).__name__})"
-                rng = self.make_rng("params")
-                value = self._init_block(mod, rng, inp, out_like, args, kwargs, label, stream)
-                self.put_variable("params", name, value)
-            params[name] = meta.unbox(self.get_variable("params", name))
+        params = {
+            "f": self._stacked_params("f", f_mod, x2, x1, "x1", args, kwargs),
+            "g": self._stacked_params("g", g_mod, x1, x2, "x2", args, kwargs),
+        }
         params["rngs"] = {"f": self._layer_rngs(), "g": self._layer_rngs()}
 
         def f(p, x2):
@@ -187,6 +167,27 @@ class _LinenReversible(nn.Module):
             unroll=spec.unroll,
             fname=fname,
         )
+
+    def _stacked_params(self, name, mod, inp, out_like, stream, args, kwargs):
+        """The block's stacked params ``params[name]``, created (and checked) at init.
+
+        Created with ``put_variable``, not ``param``: flax's ``param`` traces the initializer
+        at apply too (a shape check), which would draw from the RNG streams.
+        """
+        fname = "jaxmem.flax.linen.reversible_layers"
+        what = f"{name}_block"
+        if not self.has_variable("params", name):
+            if not self.is_mutable_collection("params"):
+                raise ValueError(
+                    f"{fname}: params has no entry {name!r} ({what}'s stacked params) at "
+                    f"{'/'.join(self.scope.path) or 'the top level'}; pass the variables "
+                    "init returned, laid out as {'f': ..., 'g': ...}."
+                )
+            label = f"{what} ({type(mod).__name__})"
+            rng = self.make_rng("params")
+            value = self._init_block(mod, rng, inp, out_like, args, kwargs, label, stream)
+            self.put_variable("params", name, value)
+        return meta.unbox(self.get_variable("params", name))
 
     def _layer_keys(self, stream: str) -> jax.Array:
         """``length`` keys of ``stream``: split per layer, or one key repeated (broadcast)."""
@@ -250,8 +251,8 @@ def reversible_layers(
     Variables: ``{"params": {"f": <F's params>, "g": <G's params>}}`` under the stack's name,
     every leaf with a leading layer axis of size ``length`` (the layout of :func:`scan_layers`
     / ``nn.scan`` with ``variable_axes={"params": 0}``, per block). RNG streams: for every
-    stream given to ``init``/``apply``, each block draws ``make_rng(stream)`` once per call and
-    gives layer ``l`` the key ``jax.random.split(key, length)[l]`` when ``split_rngs[stream]``
+    stream given to ``init``/``apply``, each block draws a key ``make_rng(stream)`` and gives
+    layer ``l`` the key ``jax.random.split(key, length)[l]`` when ``split_rngs[stream]``
     (default: ``"params"`` and ``"dropout"``), the same key for every layer otherwise, so every
     layer is initialized differently and draws its own dropout masks, and the backward pass
     replays them. Blocks may hold params only (see Raises).
