@@ -156,6 +156,19 @@ def test_linen_dropout_replays_per_layer_keys():
     assert max_rel(got, other) > 1e-2  # the masks matter: other keys, other gradients
 
 
+class Plain(nn.Module):
+    @nn.compact
+    def __call__(self, h):
+        return jnp.tanh(nn.Dense(D)(h))
+
+
+def test_linen_class_and_blocks_without_arguments():
+    Stack = jl.reversible_layers(Plain, Plain, 2)
+    assert Stack.__name__ == "ReversiblePlainPlain" and "reversible_layers" in Stack.__doc__
+    y = Stack().init_with_output(jax.random.key(0), (X1, X2))[0]
+    assert [v.shape for v in y] == [(B, D), (B, D)]
+
+
 def test_linen_unsplit_params_stream_is_shared_by_layers():
     params = _linen_init(jl.reversible_layers(Mlp, Mlp, 3, split_rngs={"params": False})())
     for leaf in jax.tree.leaves(params):  # one key for every layer: identical layers
@@ -188,6 +201,8 @@ def test_linen_errors():
         jl.reversible_layers(Mlp, Mlp, 2, policy="bogus")
     with pytest.raises(ValueError, match="anchor_every"):
         jl.reversible_layers(Mlp, Mlp, 2, anchor_every=0)
+    with pytest.raises(TypeError, match="split_rngs"):
+        jl.reversible_layers(Mlp, Mlp, 2, split_rngs=["dropout"])
     stack = jl.reversible_layers(Mlp, Mlp, 3)()
     with pytest.raises(TypeError, match=r"pair of streams \(x1, x2\)"):
         stack.init(jax.random.key(0), X1, 1.0)

@@ -329,4 +329,9 @@ def reversible_layers(
     )
     names = [getattr(getattr(b, "func", b), "__name__", "Block") for b in (f_block, g_block)]
     name = f"Reversible{names[0]}{names[1]}"
-    return type(name, (_LinenReversible,), {"_spec": spec, "__module__": __name__})
+    doc = (
+        f"{length} reversible layers y1 = x1 + {names[0]}(x2), y2 = x2 + {names[1]}(y1), made by "
+        "jaxmem.flax.linen.reversible_layers: call as stack((x1, x2), *args, **kwargs)."
+    )
+    attrs = {"_spec": spec, "__module__": __name__, "__qualname__": name, "__doc__": doc}
+    return type(name, (_LinenReversible,), attrs)
