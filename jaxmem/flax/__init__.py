@@ -1,14 +1,17 @@
 """Flax integration: :mod:`jaxmem.flax.linen` and :mod:`jaxmem.flax.nnx`.
 
 Drop-ins for ``nn.scan`` and ``nnx.scan`` whose loop is :func:`jaxmem.scan` (``scan``), layer
-stacks built on them (``scan_layers``) and remat with jaxmem policies (``remat``), for linen and
-NNX modules. Flax is an optional dependency of jaxmem:
+stacks built on them (``scan_layers``), reversible (RevNet) stacks on
+:func:`jaxmem.reversible_scan` (``reversible_layers``) and remat with jaxmem policies
+(``remat``), for linen and NNX modules. Flax is an optional dependency of jaxmem:
 ``pip install jaxmem[flax]``.
 
 Examples:
   >>> from jaxmem.flax import linen, nnx
-  >>> sorted(linen.__all__), sorted(nnx.__all__)
-  (['remat', 'scan', 'scan_layers'], ['ScanLayers', 'remat', 'scan', 'scan_layers'])
+  >>> sorted(linen.__all__)
+  ['remat', 'reversible_layers', 'scan', 'scan_layers']
+  >>> sorted(nnx.__all__)
+  ['ReversibleLayers', 'ScanLayers', 'remat', 'reversible_layers', 'scan', 'scan_layers']
 """
 
 try:
