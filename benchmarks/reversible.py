@@ -16,7 +16,9 @@ jitted gradient; times interleaved in one process, medians):
    reversible stack against the direct computation (a Python loop over the layers, not scanned,
    not reversible) in float32, for float32 and bfloat16 parameters and streams, depths 4 to 64,
    with and without ``anchor_every``. The bfloat16 rows also give the direct computation's own
-   error in bfloat16 (what bfloat16 costs without any reconstruction). Smaller widths.
+   error in bfloat16 (what bfloat16 costs without any reconstruction). Two initializations:
+   GPT-2's (residual branches scaled down with depth) and unit gain (branches as large as their
+   inputs, where reconstruction error grows fastest). Smaller widths.
 
 ``--quick`` runs tiny shapes (a smoke test of the script).
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import itertools
 import json
 import math
 import pathlib
@@ -92,17 +95,30 @@ def make_fg(heads: int) -> tuple[Callable, Callable]:
     return f, g
 
 
-def make_params(depth: int, d: int, dtype=jnp.float32, seed: int = 0) -> dict[str, jax.Array]:
-    """GPT-2 initialization: normal(0.02), output projections scaled by 1/sqrt(2 depth)."""
+INITS = ("gpt2", "unit")
+
+
+def make_params(
+    depth: int, d: int, dtype=jnp.float32, seed: int = 0, init: str = "gpt2"
+) -> dict[str, jax.Array]:
+    """``init="gpt2"``: GPT-2's normal(0.02), output projections scaled by 1/sqrt(2 depth) (the
+    residual branches shrink with depth). ``"unit"``: normal(1/sqrt(fan_in)) everywhere, no
+    depth scaling (each branch about as large as its input: the reconstruction's hard case)."""
     keys = jax.random.split(jax.random.key(seed), 4)
-    out_std = 0.02 / math.sqrt(2 * depth)
+    if init == "gpt2":
+        std = {"qkv": 0.02, "fc": 0.02, "proj": 0.02 / math.sqrt(2 * depth)}
+        std["out"] = std["proj"]
+    elif init == "unit":
+        std = {"qkv": d**-0.5, "fc": d**-0.5, "proj": d**-0.5, "out": (4 * d) ** -0.5}
+    else:
+        raise ValueError(f"init must be one of {INITS}, got {init!r}")
     p = {
         "ln1": jnp.ones((depth, d)),
-        "qkv": 0.02 * jax.random.normal(keys[0], (depth, d, 3 * d)),
-        "proj": out_std * jax.random.normal(keys[1], (depth, d, d)),
+        "qkv": std["qkv"] * jax.random.normal(keys[0], (depth, d, 3 * d)),
+        "proj": std["proj"] * jax.random.normal(keys[1], (depth, d, d)),
         "ln2": jnp.ones((depth, d)),
-        "fc": 0.02 * jax.random.normal(keys[2], (depth, d, 4 * d)),
-        "out": out_std * jax.random.normal(keys[3], (depth, 4 * d, d)),
+        "fc": std["fc"] * jax.random.normal(keys[2], (depth, d, 4 * d)),
+        "out": std["out"] * jax.random.normal(keys[3], (depth, 4 * d, d)),
     }
     return jax.tree.map(lambda a: a.astype(dtype), p)
 
@@ -217,14 +233,16 @@ def bench_time(shape: Shape, depth: int, repeats: int) -> dict[str, Any]:
 def bench_drift(
     shape: Shape, depths: Sequence[int], anchors: Sequence[int | None]
 ) -> dict[str, Any]:
-    """Relative gradient error of the reversible stack against the direct float32 loop."""
+    """Relative gradient error of the reversible stack against the direct float32 loop, for
+    both initializations (:func:`make_params`)."""
     f, g = make_fg(shape.heads)
     rows = []
-    for depth in depths:
-        params32, streams32 = make_params(depth, shape.d), make_streams(shape)
+    for init, depth in itertools.product(INITS, depths):
+        params32 = make_params(depth, shape.d, init=init)
+        streams32 = make_streams(shape)
         ref_loss = direct_loss(shape.heads, depth)
         want = jax.jit(jax.grad(ref_loss))(params32, streams32)
-        row: dict[str, Any] = {"depth": depth}
+        row: dict[str, Any] = {"init": init, "depth": depth}
         for dtype in (jnp.float32, jnp.bfloat16):
             name = jnp.dtype(dtype).name
             params = jax.tree.map(lambda a, dt=dtype: a.astype(dt), params32)
@@ -284,15 +302,19 @@ def _tables(memory, timing, drift) -> str:
             )
     if drift:
         s = drift["shape"]
-        cols = [k for k in drift["rows"][0] if k != "depth"]
+        cols = [k for k in drift["rows"][0] if k not in ("init", "depth")]
         out.append(
             f"\nDrift: relative gradient error ||g - g_ref|| / ||g_ref|| against the direct "
             f"float32 loop (batch {s['batch']}, seq {s['seq']}, d {s['d']}):"
         )
-        out.append("| depth | " + " | ".join(cols) + " |")
-        out.append("|---" * (len(cols) + 1) + "|")
+        out.append("| init | depth | " + " | ".join(cols) + " |")
+        out.append("|---" * (len(cols) + 2) + "|")
         for row in drift["rows"]:
-            out.append(f"| {row['depth']} | " + " | ".join(f"{row[c]:.1e}" for c in cols) + " |")
+            out.append(
+                f"| {row['init']} | {row['depth']} | "
+                + " | ".join(f"{row[c]:.1e}" for c in cols)
+                + " |"
+            )
     return "\n".join(out)
 
 

@@ -35,6 +35,7 @@ def test_quick_run_prints_every_table(tmp_path, capsys):
     variants = res["time"]["variants"]
     assert set(variants) == {"reversible_scan", "jaxmem.scan", "full remat", "lax.scan"}
     assert all(v["rel_err"] < 1e-5 and v["median_s"] > 0 for v in variants.values())
+    assert [(r["init"], r["depth"]) for r in res["drift"]["rows"]] == [("gpt2", 2), ("unit", 2)]
     drift = res["drift"]["rows"][0]
     assert drift["float32 anchor_every=None"] < 1e-5
     assert np.isfinite(drift["bfloat16 anchor_every=1"]) and drift["bfloat16 direct"] > 0
