@@ -9,12 +9,14 @@ pure functions given to :func:`jaxmem.reversible_scan`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.core import FrozenDict
+from flax.nnx import spmd
 from jax.tree_util import tree_flatten_with_path
 
 from jaxmem._src.flax_linen import _check_length
@@ -24,6 +26,7 @@ from jaxmem._src.flax_linen_reversible import (
     _check_streams,
     _run,
 )
+from jaxmem._src.flax_nnx import _check_transform_metadata
 
 
 def _check_make(make: Any, what: str, fname: str):
@@ -39,12 +42,15 @@ def _check_make(make: Any, what: str, fname: str):
         )
 
 
-def _create_stack(make: Callable, length: int, rngs: nnx.Rngs, what: str, fname: str):
+def _create_stack(
+    make: Callable, length: int, rngs: nnx.Rngs, what: str, fname: str, meta: FrozenDict
+):
     """``length`` blocks with stacked state, each from its own split of ``rngs`` (as
-    :class:`ScanLayers` creates its layers)."""
+    :class:`ScanLayers` creates its layers; ``meta`` names the layer axis in sharding
+    metadata)."""
 
     @nnx.split_rngs(splits=length)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata=meta)
     def create(r: nnx.Rngs):
         block = make(r)
         if not isinstance(block, nnx.Module):
@@ -120,11 +126,15 @@ class ReversibleLayers(nnx.Module):
       anchor_every: as in :func:`jaxmem.reversible_scan`: also keep the streams every ``k``
         layers, bounding the floating-point drift of the reconstruction to ``k`` layers.
       unroll: loop unrolling, passed to :func:`jaxmem.reversible_scan`.
+      transform_metadata: as :class:`ScanLayers`' (``{nnx.PARTITION_NAME: axis}``): the name of
+        the layer axis in the stacked variables' sharding metadata (``None``: not sharded),
+        removed from each layer's slice before its blocks run.
 
     Raises:
       TypeError: ``make_f``/``make_g`` not callable or not returning an ``nnx.Module``; a bad
-        ``policy``, ``anchor_every`` or ``unroll``; (when called) streams that are not a pair,
-        or a block whose output differs from its stream in structure, shape or dtype.
+        ``policy``, ``anchor_every``, ``unroll`` or ``transform_metadata``; (when called)
+        streams that are not a pair, or a block whose output differs from its stream in
+        structure, shape or dtype.
       ValueError: ``length < 1``, ``anchor_every < 1``, an unknown policy name; a block holding
         state other than ``nnx.Param`` and RNG streams (BatchNorm statistics and other mutable
         state cannot be carried by a reversible stack); (when called) stacked state whose
@@ -168,6 +178,7 @@ class ReversibleLayers(nnx.Module):
         policy: Callable | str | None = None,
         anchor_every: int | None = None,
         unroll: int | bool = 1,
+        transform_metadata: Mapping[str, Any] = FrozenDict({}),
     ):
         fname = "jaxmem.flax.nnx.ReversibleLayers"
         _check_make(make_f, "make_f", fname)
@@ -176,8 +187,10 @@ class ReversibleLayers(nnx.Module):
         self.policy = _check_options(policy, anchor_every, unroll, self.length, fname)
         self.anchor_every = anchor_every
         self.unroll = unroll
-        self.f = _create_stack(make_f, self.length, rngs, "make_f", fname)
-        self.g = _create_stack(make_g, self.length, rngs, "make_g", fname)
+        self.transform_metadata = _check_transform_metadata(transform_metadata, fname)
+        meta = self.transform_metadata
+        self.f = _create_stack(make_f, self.length, rngs, "make_f", fname, meta)
+        self.g = _create_stack(make_g, self.length, rngs, "make_g", fname, meta)
         _split_stack(self.f, "f", self.length, fname)
         _split_stack(self.g, "g", self.length, fname)
 
@@ -189,11 +202,13 @@ class ReversibleLayers(nnx.Module):
         gf, pf, rf = _split_stack(self.f, "f", self.length, fname)
         gg, pg, rg = _split_stack(self.g, "g", self.length, fname)
 
+        meta = self.transform_metadata
+
         def f(p, x2):
-            return nnx.merge(gf, *p["f"])(x2, *args, **kwargs)
+            return nnx.merge(gf, *_layer_state(p["f"], meta))(x2, *args, **kwargs)
 
         def g(p, y1):
-            return nnx.merge(gg, *p["g"])(y1, *args, **kwargs)
+            return nnx.merge(gg, *_layer_state(p["g"], meta))(y1, *args, **kwargs)
 
         params = {"f": (pf, rf), "g": (pg, rg)}
         p0 = jax.tree.map(lambda a: a[0], params)
@@ -216,18 +231,24 @@ class ReversibleLayers(nnx.Module):
         # under jit the blocks' computations in this loop are dead code).
         for block, gdef, p, r, inp in ((self.f, gf, pf, rf, x2), (self.g, gg, pg, rg, x1)):
             if jax.tree.leaves(r):
-                nnx.update(block, _advanced_rngs(gdef, p, r, inp, args, kwargs))
+                nnx.update(block, _advanced_rngs(gdef, p, r, inp, args, kwargs, meta))
         return y
 
 
-def _advanced_rngs(gdef, params, rng_state, inp, args, kwargs):
+def _layer_state(state: Any, meta: FrozenDict) -> Any:
+    """One layer's slice of stacked state, the layer axis taken out of its metadata."""
+    return spmd.remove_axis(state, 0, meta) if meta else state
+
+
+def _advanced_rngs(gdef, params, rng_state, inp, args, kwargs, meta):
     """Every layer's RNG state after one call of its block (on a stand-in input)."""
     params, inp = jax.lax.stop_gradient((params, inp))
 
     def one(pr):
-        block = nnx.merge(gdef, *pr)
+        block = nnx.merge(gdef, *_layer_state(pr, meta))
         block(inp, *args, **kwargs)
-        return nnx.state(block, nnx.RngState)
+        state = nnx.state(block, nnx.RngState)
+        return spmd.add_axis(state, 0, meta) if meta else state
 
     return jax.lax.map(one, (params, rng_state))
 
@@ -241,6 +262,7 @@ def reversible_layers(
     policy: Callable | str | None = None,
     anchor_every: int | None = None,
     unroll: int | bool = 1,
+    transform_metadata: Mapping[str, Any] = FrozenDict({}),
 ) -> ReversibleLayers:
     """Builds a :class:`ReversibleLayers` stack: ``length`` RevNet layers of NNX blocks.
 
@@ -255,6 +277,7 @@ def reversible_layers(
       policy: remat policy inside ``F`` and ``G`` (a policy or preset name), or None.
       anchor_every: as in :func:`jaxmem.reversible_scan`.
       unroll: loop unrolling.
+      transform_metadata: the layer axis's name in sharding metadata, as :class:`ScanLayers`'.
 
     Returns:
       The :class:`ReversibleLayers` module.
@@ -286,4 +309,5 @@ def reversible_layers(
         policy=policy,
         anchor_every=anchor_every,
         unroll=unroll,
+        transform_metadata=transform_metadata,
     )
