@@ -409,3 +409,27 @@ def test_data_parallel_on_a_mesh(axis_type):
     assert rel_err(got[1], want[1]) < 1e-5
     for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):
         assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (a.sharding, b.sharding)
+
+
+def test_vmap_over_an_ensemble_and_reverse_over_reverse():
+    """vmap of the gradient (3 stacks with their own weights and inputs) and the gradient of a
+    gradient norm equal the direct loop's."""
+    depth, members = 4, 3
+    params = jax.vmap(lambda s: make_params(depth, seed=s))(jnp.arange(members))
+    streams = tuple(jnp.stack([v + m for m in range(members)]) for v in X)
+
+    def rev(p, x):
+        return loss_of(lambda p, x: jaxmem.reversible_scan(f, g, x, p))(p, x)
+
+    def ref(p, x):
+        return loss_of(lambda p, x: direct((f, g), p, x, depth))(p, x)
+
+    got = jax.jit(jax.vmap(jax.grad(rev, argnums=(0, 1))))(params, streams)
+    want = jax.vmap(jax.grad(ref, argnums=(0, 1)))(params, streams)
+    assert rel_err(got, want) < 1e-5
+    p0 = jax.tree.map(lambda a: a[0], params)
+
+    def grad_norm(loss):
+        return lambda p: sum(jnp.sum(v**2) for v in jax.tree.leaves(jax.grad(loss)(p, X)))
+
+    assert rel_err(jax.grad(grad_norm(rev))(p0), jax.grad(grad_norm(ref))(p0)) < 1e-4
