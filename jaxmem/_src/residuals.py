@@ -54,8 +54,8 @@ CHEAP_PRIMITIVES: frozenset[str] = frozenset(
     """
     abs acos acosh add and asin asinh atan atan2 atanh bitcast_convert_type broadcast_in_dim cbrt
     ceil clamp complex concatenate conj convert_element_type copy copy_p cos cosh div
-    dynamic_slice eq erf erf_inv erfc exp exp2 expand_dims expm1 floor ge gt imag integer_pow
-    iota is_finite le log log1p log2 logistic lt max min mul name ne neg nextafter not
+    dynamic_slice erf erf_inv erfc exp exp2 expand_dims expm1 floor ge gt imag integer_pow
+    iota is_finite le log log1p log2 logistic lt max min mul name neg nextafter not
     one_minus_square or pad polynomial population_count pow real reduce_precision rem reshape
     rev round rsqrt select_n
     shift_left shift_right_arithmetic shift_right_logical sign sin sinh slice split sqrt square
@@ -100,8 +100,27 @@ def _cost(aval) -> int:
     return kept_bytes(aval) * _TIE + 1
 
 
+# Exact comparisons of floating-point values. The backward step's recompute is a separate XLA
+# computation from the forward step's: XLA may fold constants or fuse differently there, so a
+# recomputed float is equal to the forward's value only up to rounding. A comparison for
+# *equality* turns that rounding into a different mask: with jax 0.10.2, ``max(g, 0.1 * g)``'s
+# JVP is ``eq(g, ans)`` and ``eq(0.1 * g, ans)`` against the output ``ans``, and comparing a
+# recomputed ``0.1 * g`` with the forward's ``ans`` (a y, read back) dropped a quarter of the
+# gradient. Every JVP rule that locates an extremum this way (max, min, reduce_max, argmax-based
+# ``_eq_meet``, sort, ...) is of that kind, so such a mask is never recomputed: it is kept, as
+# bits (:func:`packs_bits`). Orderings (lt, gt, ...) flip only at exact ties and stay cheap.
+_EXACT_COMPARISONS = frozenset({"eq", "ne"})
+
+
+def _is_float(v) -> bool:
+    dtype = getattr(v.aval, "dtype", None)
+    return dtype is not None and np.issubdtype(dtype, np.inexact)
+
+
 def _is_cheap(eqn) -> bool:
     name = eqn.primitive.name
+    if name in _EXACT_COMPARISONS:
+        return not any(_is_float(v) for v in eqn.invars)
     if name in CHEAP_PRIMITIVES:
         return True
     if name == "device_put":
