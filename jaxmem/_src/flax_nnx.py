@@ -41,12 +41,12 @@ from jax.tree_util import tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from jaxmem._src import auto as _auto
 from jaxmem._src import jax_compat as _jc
+from jaxmem._src import policies as _policies
 from jaxmem._src import scan as _scan
 from jaxmem._src.flax_linen import (
     _check_checkpoints,
     _check_length,
     _check_scan_options,
-    _resolve_policy,
 )
 
 
@@ -356,7 +356,7 @@ def scan(
       True
     """
     fname = "jaxmem.flax.nnx.scan"
-    policy = _resolve_policy(policy, fname)
+    policy = _policies.resolve(policy, fname)
     _scan._check_offload(offload, fname)
     _scan._check_recompute(recompute, fname)
     _scan._check_unroll(unroll, fname)
@@ -652,7 +652,7 @@ def remat(
       TypeError: jaxmem.flax.nnx.remat got the bound method MLP.__call__ ...
     """
     fname = "jaxmem.flax.nnx.remat"
-    policy = _resolve_policy(policy, fname)
+    policy = _policies.resolve(policy, fname)
     opts = dict(policy=policy, prevent_cse=prevent_cse, static_argnums=static_argnums)
     if f is None:
         return functools.partial(_remat, fname=fname, **opts)

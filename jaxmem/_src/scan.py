@@ -34,6 +34,7 @@ from jaxmem._src import auto as _auto
 from jaxmem._src import checks
 from jaxmem._src import jax_compat as _jc
 from jaxmem._src import listing as _listing
+from jaxmem._src import policies as _policies
 from jaxmem._src import residuals as _res
 from jaxmem._src import schedule as _schedule
 from jaxmem._src.residuals import ScanPlan
@@ -336,15 +337,6 @@ def _check_offload(offload, fname: str):
     return names
 
 
-def _check_policy(policy, fname: str):
-    if policy is not None and not callable(policy) and not _auto.is_auto(policy):
-        raise TypeError(
-            f"{fname} got policy={checks.describe(policy)}; expected None, 'auto' or a remat "
-            "policy (a jaxmem.policies policy or one of jax.checkpoint_policies)."
-        )
-    return policy
-
-
 def _check_checkpoints(checkpoints, offload, length: int, fname: str) -> int | None:
     """The number of checkpoint slots, or None for the lean VJP (also for an empty scan)."""
     slots = _schedule.check_checkpoints(checkpoints, length, fname)
@@ -362,7 +354,7 @@ def _apply_policy(f, policy, fname: str):
 
     ``policy="auto"`` is resolved here, at trace time, by the active :func:`jaxmem.use_plan`.
     """
-    policy = _auto.resolve(_check_policy(policy, fname), fname)
+    policy = _auto.resolve(_policies.resolve(policy, fname), fname)
     if policy is None:
         return f
     checks.check_callable(f, "the body f(carry, x)", fname)
@@ -1029,11 +1021,14 @@ def scan(
       unroll: loop unrolling, an int or a bool, passed to :func:`jax.lax.scan` (forward and
         backward loops).
       recompute: ``"cheap"`` (default) recomputes residuals that are cheap functions
-        (elementwise, convert, transpose, reshape, broadcast, slice, select, compare) of values
+        (elementwise, convert, transpose, reshape, broadcast, slice, select, ordering compare;
+        never an exact float comparison, whose recompute could differ in rounding) of values
         available in the backward step; ``"none"`` stacks them.
       policy: a remat policy applied to each step, as ``jax.checkpoint(f, policy=policy)``
-        (a :mod:`jaxmem.policies` policy or one of ``jax.checkpoint_policies``); the residuals it
-        saves are then deduplicated as without a policy. ``"auto"``: the policy of the
+        (a :mod:`jaxmem.policies` policy, one of ``jax.checkpoint_policies``, or a preset name
+        such as ``"nothing"``, ``"dots"`` or ``"dots_saveable"``, see
+        :func:`jaxmem.policies.by_name`); the residuals it saves are then deduplicated as
+        without a policy. ``"auto"``: the policy of the
         :func:`jaxmem.use_plan` active when the step is traced, and its ``checkpoints`` where
         this call gives none (no remat outside any plan, with a one-time warning); the plan is
         part of ``jax.jit``'s cache key.
