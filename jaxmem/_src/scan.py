@@ -432,6 +432,27 @@ class _Saved(NamedTuple):
     init_from_y: list  # init of the carry leaves read from ys
 
 
+def _scan_loop(f, init, xs, length: int, reverse: bool, unroll):
+    """``jax.lax.scan(f, init, xs, ...)`` without copies of ``xs`` when ``unroll`` leaves a
+    remainder of steps.
+
+    ``lax.scan`` runs ``length % unroll`` remainder steps after the unrolled loop by slicing every
+    scanned input in two, a copy of each (and of its last part): for the backward loop of
+    :func:`scan`, whose scanned inputs are all the stacks the forward loop kept, that is a second
+    copy of them at the loop's start. Here the loop scans the step index instead and reads each
+    input's slice in place, as ``lax.scan``'s own loop does.
+    """
+    u = int(unroll)
+    if isinstance(unroll, bool) or u <= 1 or length <= u or length % u == 0:
+        return jax.lax.scan(f, init, xs, length=length, reverse=reverse, unroll=unroll)
+
+    def step(carry, t):
+        x = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, t, keepdims=False), xs)
+        return f(carry, x)
+
+    return jax.lax.scan(step, init, jnp.arange(length), reverse=reverse, unroll=unroll)
+
+
 def _primal_scan(vjp, consts, init, xs):
     """The scan itself (a custom VJP's primal, run when nothing differentiates it)."""
 
@@ -483,7 +504,7 @@ class _LeanScan:
         return _res.summarize(step, self.length, _stock_stacked_bytes(self.body, step, self.length))
 
     def _scan(self, f, init, xs, reverse):
-        return jax.lax.scan(f, init, xs, length=self.length, reverse=reverse, unroll=self.unroll)
+        return _scan_loop(f, init, xs, self.length, reverse, self.unroll)
 
     def _primal(self, consts, init, xs):
         return _primal_scan(self, consts, init, xs)
