@@ -10,6 +10,7 @@ import pytest
 import jaxmem
 from jaxmem._src import jax_compat as jc
 from jaxmem._src import residuals as R
+from jaxmem._src.listing import saved_residuals
 
 K = np.float32(11.3137)
 
@@ -82,3 +83,38 @@ def test_gradients_with_exact_comparisons_equal_lax_scan(recompute):
     got = jax.grad(loss(jaxmem.scan, recompute=recompute), argnums=(0, 1, 2, 3))(a, b0, c0, ds)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(w))))
+
+
+def test_a_pass_through_y_is_read_from_its_input():
+    """nnx.scan returns the layers' state as ys: the backward step reads those values from the
+    xs slices, and the ys stacks are not kept alive for it."""
+
+    def step(c, w):
+        return (jnp.tanh(c @ w),), w
+
+    c, w = jnp.ones((2, 4)), jnp.ones((4, 4))
+    body = jax.make_jaxpr(lambda c, w: (*step(c, w)[0], step(c, w)[1]))(c, w)
+    plan = R.plan_step(body, 0, 1, [v.aval for v in body.jaxpr.invars], "auto")
+    assert plan.need_y == (False,)
+    assert "xs" in plan.res_classes
+
+
+def test_no_final_carry_is_kept_where_no_carry_out_is_read():
+    """Under a remat policy that saves nothing the backward step reads each step's inputs only:
+    the carry sequence is kept, the final carry is not kept beside it."""
+    h0 = jnp.ones((2, 8))
+    ws = jnp.ones((3, 8, 8))
+    step = lambda h, w: (jnp.tanh(h @ w), None)
+
+    def residual_shapes(scan, **kw):
+        loss = lambda h0, ws: jnp.sum(scan(step, h0, ws, **kw)[0])
+        return sorted(r.aval.shape for r in saved_residuals(loss, h0, ws))
+
+    ours = residual_shapes(jaxmem.scan, policy="nothing")
+    stock = residual_shapes(
+        lambda f, *a: jax.lax.scan(
+            jax.checkpoint(f, policy=jax.checkpoint_policies.nothing_saveable), *a
+        )
+    )
+    assert ours == [(3, 2, 8), (3, 8, 8)]  # the carry sequence and the weights
+    assert all(shape in stock for shape in ours)

@@ -464,7 +464,7 @@ def scan(
     *,
     policy: Callable | str | None = None,
     offload: str | tuple[str, ...] | None = None,
-    recompute: str = "cheap",
+    recompute: str = "auto",
     checkpoints: int | str | None = None,
 ) -> Any:
     """``flax.linen.scan`` with :func:`jaxmem.scan` as its loop: same signature, lean VJP.
@@ -618,7 +618,7 @@ def scan_layers(
     *,
     policy: Callable | str | None = None,
     offload: str | tuple[str, ...] | None = None,
-    recompute: str = "cheap",
+    recompute: str = "auto",
     checkpoints: int | str | None = None,
     in_axes: Any = broadcast,
     out_axes: Any = 0,
@@ -654,7 +654,7 @@ def scan_layers(
         :mod:`jaxmem.policies` policy, one of ``jax.checkpoint_policies``, or a preset name
         (``"nothing"``, ``"dots"``, ``"selective"``, ...). None (default): no remat.
       offload: as in :func:`jaxmem.scan` (host offload of stacked residuals).
-      recompute: as in :func:`jaxmem.scan` (``"cheap"`` or ``"none"``).
+      recompute: as in :func:`jaxmem.scan` (``"auto"``, ``"cheap"`` or ``"none"``).
       checkpoints: as in :func:`jaxmem.scan` (binomial checkpointing of the layer loop: at most
         ``k`` carries stored, ``"sqrt"`` for ``ceil(sqrt(length))``; None: the lean VJP).
       in_axes: prefix tree over the positional args after the carry; ints scan, and

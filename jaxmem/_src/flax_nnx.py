@@ -285,7 +285,7 @@ def scan(
     graph_updates: bool | None = None,
     policy: Callable | str | None = None,
     offload: str | tuple[str, ...] | None = None,
-    recompute: str = "cheap",
+    recompute: str = "auto",
     checkpoints: int | str | None = None,
 ) -> Callable:
     """``flax.nnx.scan`` run by :func:`jaxmem.scan`: same arguments and semantics, lean VJP.
@@ -316,7 +316,7 @@ def scan(
       policy: remat policy per step: a :mod:`jaxmem.policies` policy, a
         ``jax.checkpoint_policies`` policy, a preset name (``"dots"``, ...) or None.
       offload: as in :func:`jaxmem.scan`.
-      recompute: as in :func:`jaxmem.scan` (``"cheap"`` or ``"none"``).
+      recompute: as in :func:`jaxmem.scan` (``"auto"``, ``"cheap"`` or ``"none"``).
       checkpoints: as in :func:`jaxmem.scan` (binomial checkpointing of the loop: at most
         ``k`` carries stored, ``"sqrt"`` for ``ceil(sqrt(length))``; None: the lean VJP).
         State updates and values are ``nnx.scan``'s either way.
@@ -404,7 +404,7 @@ class ScanLayers(nnx.Module):
         ``jax.checkpoint_policies`` policy, a preset name (``"dots"``, ``"selective"``, ...),
         or None (no remat).
       offload: as in :func:`jaxmem.scan`.
-      recompute: as in :func:`jaxmem.scan` (``"cheap"`` or ``"none"``).
+      recompute: as in :func:`jaxmem.scan` (``"auto"``, ``"cheap"`` or ``"none"``).
       checkpoints: as in :func:`jaxmem.scan` (binomial checkpointing of the layer loop: at most
         ``k`` carries stored, ``"sqrt"`` for ``ceil(sqrt(length))``; None: the lean VJP).
       reverse: run the layers from last to first.
@@ -457,7 +457,7 @@ class ScanLayers(nnx.Module):
         rngs: nnx.Rngs,
         policy: Callable | str | None = None,
         offload: str | tuple[str, ...] | None = None,
-        recompute: str = "cheap",
+        recompute: str = "auto",
         checkpoints: int | str | None = None,
         reverse: bool = False,
         unroll: int = 1,
@@ -544,7 +544,7 @@ def scan_layers(
     rngs: nnx.Rngs,
     policy: Callable | str | None = None,
     offload: str | tuple[str, ...] | None = None,
-    recompute: str = "cheap",
+    recompute: str = "auto",
     checkpoints: int | str | None = None,
     reverse: bool = False,
     unroll: int = 1,
