@@ -298,7 +298,10 @@ def test_scan_takes_preset_names(name):
         lambda p: jaxmem.scan(lambda c, x: (c, None), jnp.ones(2), length=2, policy=p),
         lambda p: jaxmem.scanned(lambda c, x: (c, None), policy=p)(jnp.ones(2), length=2),
         lambda p: jaxmem.reversible_scan(
-            lambda w, x: x * w, lambda w, x: x * w, (jnp.ones(2), jnp.ones(2)), jnp.ones((3, 2)),
+            lambda w, x: x * w,
+            lambda w, x: x * w,
+            (jnp.ones(2), jnp.ones(2)),
+            jnp.ones((3, 2)),
             policy=p,
         ),
     ],
