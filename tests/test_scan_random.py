@@ -83,7 +83,7 @@ def programs(draw) -> Program:
         counter=counter,
         reverse=draw(st.booleans()),
         unroll=draw(st.sampled_from((1, 2, True))),
-        recompute=draw(st.sampled_from(("cheap", "none"))),
+        recompute=draw(st.sampled_from(("auto", "cheap", "none"))),
         # One example in ten is compiled: XLA:CPU needs ~0.5 s per program even at these
         # sizes, while op-by-op execution reuses its per-op executables. Op by op, lax.scan
         # (inside jaxmem's custom VJP too) runs as a Python loop, and the analysis, planning and
