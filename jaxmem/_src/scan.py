@@ -426,25 +426,25 @@ class _Saved(NamedTuple):
     init_from_y: list  # init of the carry leaves read from ys
 
 
-def _scan_loop(f, init, xs, length: int, reverse: bool, unroll):
-    """``jax.lax.scan(f, init, xs, ...)`` without copies of ``xs`` when ``unroll`` leaves a
-    remainder of steps.
+def _loop_unroll(length: int, unroll):
+    """The unroll factor of :func:`scan`'s forward and backward loops: ``unroll`` where it
+    divides ``length`` (or unrolls it whole), else the largest divisor of ``length`` below it.
 
-    ``lax.scan`` runs ``length % unroll`` remainder steps after the unrolled loop by slicing every
-    scanned input in two, a copy of each (and of its last part): for the backward loop of
-    :func:`scan`, whose scanned inputs are all the stacks the forward loop kept, that is a second
-    copy of them at the loop's start. Here the loop scans the step index instead and reads each
-    input's slice in place, as ``lax.scan``'s own loop does.
+    ``lax.scan`` runs ``length % unroll`` remainder steps after the unrolled loop by slicing each
+    scanned input in two and concatenating each output: a copy of every stack the forward loop
+    emits and the backward loop reads (1.12x lax.scan's temp at T=21, unroll=2). Unrolling is a
+    speed hint with the same results, so the loops unroll by a divisor instead.
     """
     u = int(unroll)
     if isinstance(unroll, bool) or u <= 1 or length <= u or length % u == 0:
-        return jax.lax.scan(f, init, xs, length=length, reverse=reverse, unroll=unroll)
+        return unroll
+    return max(d for d in range(1, u) if length % d == 0)
 
-    def step(carry, t):
-        x = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, t, keepdims=False), xs)
-        return f(carry, x)
 
-    return jax.lax.scan(step, init, jnp.arange(length), reverse=reverse, unroll=unroll)
+def _scan_loop(f, init, xs, length: int, reverse: bool, unroll):
+    """``jax.lax.scan`` with the unroll of :func:`_loop_unroll` (no remainder steps)."""
+    unroll = _loop_unroll(length, unroll)
+    return jax.lax.scan(f, init, xs, length=length, reverse=reverse, unroll=unroll)
 
 
 def _primal_scan(vjp, consts, init, xs):
