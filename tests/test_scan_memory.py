@@ -10,8 +10,8 @@ Every body is compiled twice, as ``jax.jit(jax.grad(loss, argnums=all))`` (or
 whatever the body: ys that are intermediates, the carry, the carry-in or an xs slice; losses
 that read the ys, the final carry, both, only part of either (so some cotangents are zero), or
 the ys times constant weights; two-leaf carries with a leaf the loss never sees; an int counter
-in the carry; reverse scans; unrolled loops, with lengths that leave a remainder (T=21 with
-unroll 2, 3 or 4); remat policies (``jax.checkpoint_policies``' nothing, dots, dots with no batch
+in the carry; reverse scans; unrolled loops, with lengths that leave a remainder (T 7, 21, 29
+with unroll 2, 3, 4); remat policies (``jax.checkpoint_policies``' nothing, dots, dots with no batch
 dims, everything), compared with ``lax.scan`` over ``jax.checkpoint(step, policy=...)``; and
 ``jax.value_and_grad`` (a training step's program, which also returns the loss) as well as
 ``jax.grad``. The shapes are larger than those of the value tests (``test_scan_random.py``) so
