@@ -428,7 +428,8 @@ class _Saved(NamedTuple):
 
 def _loop_unroll(length: int, unroll):
     """The unroll factor of :func:`scan`'s forward and backward loops: ``unroll`` where it
-    divides ``length`` (or unrolls it whole), else the largest divisor of ``length`` below it.
+    divides ``length`` (or unrolls it whole), the whole length where ``unroll`` covers more than
+    half of it, else the largest divisor of ``length`` below ``unroll``.
 
     ``lax.scan`` runs ``length % unroll`` remainder steps after the unrolled loop by slicing each
     scanned input in two and concatenating each output: a copy of every stack the forward loop
@@ -438,6 +439,8 @@ def _loop_unroll(length: int, unroll):
     u = int(unroll)
     if isinstance(unroll, bool) or u <= 1 or length <= u or length % u == 0:
         return unroll
+    if 2 * u > length:  # One unrolled trip and the rest: unroll it whole instead.
+        return length
     return max(d for d in range(1, u) if length % d == 0)
 
 
