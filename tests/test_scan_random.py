@@ -505,24 +505,7 @@ def test_chain_batches_are_varied():
     assert all(any(op in CHOOSER_OPS for op, *_ in ch.ops) for ch in chains)
 
 
-# Known wrong gradient (issue 24, item 0), jax 0.10.2 at XLA optimization level 0 (what this
-# family compiles with): chain 5 of batch 15, ``s = maximum(tanh(c), tanh(tanh(c)))``, gradient
-# 0.385 of the largest off lax.scan's. Exact float comparisons are kept, not recomputed; this
-# one remains. Strict: the mark fails once it is fixed.
-_WRONG_ON_0_10 = pytest.mark.xfail(
-    condition=jax.__version__.startswith("0.10"),
-    reason="issue 24 item 0: maximum(u, tanh(u)) gradient off on jax 0.10.2 at -O0",
-    strict=True,
-)
-
-
-@pytest.mark.parametrize(
-    "seed",
-    [
-        pytest.param(s, marks=_WRONG_ON_0_10) if s == 15 else s
-        for s in range(N_SMALL_BATCHES + N_BIG_BATCHES)
-    ],
-)
+@pytest.mark.parametrize("seed", range(N_SMALL_BATCHES + N_BIG_BATCHES))
 def test_chooser_bodies_gradients_match_lax_scan(seed):
     batch = draw_batch(seed)
     args = [chain_args(ch, batch.t, 1000 * seed + k) for k, ch in enumerate(batch.chains)]

@@ -109,6 +109,11 @@ def is_var(v) -> bool:
     return isinstance(v, _xcore.Var)
 
 
+def is_drop_var(v) -> bool:
+    """Whether ``v`` is an equation output nothing reads (``_`` in a printed jaxpr)."""
+    return type(v).__name__ == "DropVar"
+
+
 def subjaxprs(eqn) -> list:
     """The open jaxprs in an equation's parameters (loop bodies, called functions, branches)."""
     out = []

@@ -224,10 +224,6 @@ _RULES: dict[str, Rule] = {
 }
 
 
-def _is_drop(v) -> bool:
-    return type(v).__name__ == "DropVar"
-
-
 def _in_axes(eqn, out_axes: list) -> list | None:
     """The rows' axis of each input of ``eqn``, or None when it is not row-wise."""
     rule = _RULES.get(eqn.primitive.name)
@@ -263,7 +259,7 @@ def _inner_axes(jaxpr, out_axes: list) -> tuple[list, Axes] | None:
             return None
     axes: Axes = {}
     for eqn in reversed(jaxpr.eqns):
-        outs = [required.get(v, "unused") for v in eqn.outvars if not _is_drop(v)]
+        outs = [required.get(v, "unused") for v in eqn.outvars if not _jc.is_drop_var(v)]
         if all(o == "unused" for o in outs):
             continue  # not needed: run_tail skips it
         if any(o == "unused" for o in outs):
@@ -356,7 +352,7 @@ def find_tail(jaxpr, reduction: int, axis: int) -> Tail:
     stops: dict[Any, str] = {}
     for i in range(reduction - 1, -1, -1):
         eqn = eqns[i]
-        outs = [required.get(v, "unused") for v in eqn.outvars if not _is_drop(v)]
+        outs = [required.get(v, "unused") for v in eqn.outvars if not _jc.is_drop_var(v)]
         if all(o == "unused" for o in outs):
             continue  # not used by the tail
         if all(o is None for o in outs) and eqn.primitive.name in _LAYOUT and not eqn.effects:
@@ -404,7 +400,7 @@ def find_tail(jaxpr, reduction: int, axis: int) -> Tail:
             escapes = any(
                 v in outvars or users.get(v, set()) - inside
                 for v in eqns[i].outvars
-                if not _is_drop(v)
+                if not _jc.is_drop_var(v)
             )
             if escapes:
                 for v in eqns[i].outvars:
@@ -427,7 +423,9 @@ def find_tail(jaxpr, reduction: int, axis: int) -> Tail:
                 split[v] = k
     rows = _shape(t)[axis]
     sizes = [
-        (v, _jc.nbytes(v.aval)) for v in produced if not _is_drop(v) and required.get(v) is not None
+        (v, _jc.nbytes(v.aval))
+        for v in produced
+        if not _jc.is_drop_var(v) and required.get(v) is not None
     ]
     largest = max(sizes, key=lambda p: p[1], default=(t, _jc.nbytes(t.aval)))
     row_bytes = math.ceil(largest[1] / max(1, _shape(largest[0])[required.get(largest[0], axis)]))
@@ -498,7 +496,7 @@ def _eval(jaxpr, consts: Sequence, args: Sequence, axes: Axes, rows: int) -> lis
             if not eqn.primitive.multiple_results:
                 outs = [outs]
         for v, x in zip(eqn.outvars, outs, strict=True):
-            if not _is_drop(v):
+            if not _jc.is_drop_var(v):
                 env[v] = x
     return [read(v) for v in jaxpr.outvars]
 
