@@ -511,6 +511,13 @@ class ColumnPlan:
         p = acc.eqn.params
         idx = self._index(acc.eqn, env)
         local = idx - jnp.asarray(offset, idx.dtype)
+        if idx.shape[acc.col] == 1:
+            # One column per row: a masked sum over the tile, whose gradient is a select that
+            # XLA fuses with the other per-column cotangents (a gather's is a scatter into a
+            # block of its own).
+            hit = jax.lax.broadcasted_iota(local.dtype, x.shape, acc.col) == local[..., 0]
+            zero = jnp.zeros((), x.dtype)
+            return jnp.sum(jnp.where(hit, x, zero), acc.col, keepdims=True)
         inside = (local >= 0) & (local < width)
         out = jax.lax.gather(
             x,
