@@ -10,8 +10,10 @@ chunk. This is the AutoChunker of PyTorch Inductor, and the fused linear cross-e
   rows, along which axis).
 - :func:`autochunk` finds such a tail inside any loss (:mod:`jaxmem._src.rowwise`: the largest
   row-wise part that ends in a scalar ``reduce_sum`` and creates an intermediate larger than a
-  threshold), runs it chunk by chunk and the rest of the loss as written. ``.explain(*args)``
-  says what it chunked, or why nothing.
+  threshold), runs it chunk by chunk and the rest of the loss as written; where the tail's
+  large intermediate has columns from a matmul by a shared weight, each chunk also runs in
+  tiles of columns (:mod:`jaxmem._src.colwise`). ``.explain(*args)`` says what it chunked, or
+  why nothing.
 
 Both compute the gradients in the forward pass when differentiated (``jax.grad``/``jax.vjp``;
 never under plain evaluation, which only sums values), at the cost of a backward pass of the
@@ -935,23 +937,40 @@ def autochunk(
     (``jax.nn.relu``), collectives and anything unknown end the tail, and so does an
     intermediate that is also used outside it. When the tail creates an intermediate larger
     than ``max_chunk_bytes`` (the ``[tokens, vocab]`` logits of an LM head, the ``[tokens, 4d]``
-    hidden of an MLP head), it runs as :func:`chunked` does: in chunks of rows such that one
-    chunk's largest intermediate stays within ``max_chunk_bytes``, gradient in forward, nothing
-    of a chunk kept for the backward pass. The rest of ``fn`` runs as written.
+    hidden of an MLP head), it runs as :func:`chunked` does: in chunks of rows, gradient in
+    forward, nothing of a chunk kept for the backward pass. The rest of ``fn`` runs as written.
+
+    *2-D chunking.* A chunk of rows still creates the whole gradient of the weights it shares
+    (``[D, V]`` for an LM head), and one row's ``[V]`` logits may alone be large. When the
+    columns of the large intermediate come from a matmul by a shared weight and every use of
+    them splits into per-tile parts (sums, maxima and minima over the columns, the logit at the
+    label taken with ``take_along_axis``, a matmul contracting them; values computed from such
+    reductions and used again per column, as in a log-softmax, are rewritten exactly: the sum of
+    ``exp(z - max)`` runs as an online log-sum-exp), each chunk of rows also runs in tiles of
+    columns: a forward sweep accumulates the reductions, a backward sweep recomputes each tile
+    and adds its share of the weight's gradient in place. Tiles are about square, one tile's
+    largest intermediate within ``max_chunk_bytes``. The columns stay whole (``.explain`` says
+    why) when a use does not split (a sort or cumulative sum along them, a ``log`` of a
+    probability, ...), when ``columns=False``, or when the gradient of the weights split along
+    them is small: within ``max_chunk_bytes``, or no more than what a tile holds per row.
 
     Where nothing qualifies (no row-wise tail, a non-scalar result, intermediates below the
     threshold) the function runs unchanged and a warning says why once per argument types
     (``warn=False`` silences it); ``.explain(*args)`` returns a :class:`ChunkReport` that says
-    what is chunked, along which axis, the chunk size and the bytes expected to be saved, or
-    why nothing is.
+    what is chunked, along which axes, the chunk and tile sizes and the bytes expected to be
+    saved, or why nothing is.
 
-    Values and gradients equal ``fn``'s up to float rounding (the sum runs chunk by chunk).
+    Values and gradients equal ``fn``'s up to float rounding (sums run chunk by chunk and tile
+    by tile).
 
     Args:
       fn: the loss, returning a scalar.
-      max_chunk_bytes: the bytes one chunk's largest intermediate may take (default 16 MiB);
-        tails whose largest intermediate is smaller are left as written.
+      max_chunk_bytes: the bytes one chunk's (or tile's) largest intermediate may take (default
+        4 MiB); tails whose largest intermediate is smaller are left as written.
       chunk_size: rows per chunk, instead of the size derived from ``max_chunk_bytes``.
+      column_chunk_size: columns per tile, instead of the size derived from
+        ``max_chunk_bytes``; given, the columns are split whenever they can be.
+      columns: whether chunks of rows may also run in tiles of columns.
       warn: warn when nothing is chunked.
 
     Returns:
@@ -970,12 +989,24 @@ def autochunk(
       >>> labels = jnp.zeros((64,), jnp.int32)
       >>> lean = jaxmem.autochunk(loss, max_chunk_bytes=16 * 1024)
       >>> report = lean.explain(x, w, labels)
-      >>> report.tails[0].num_chunks, report.tails[0].chunk_size
-      (8, 8)
+      >>> report.tails[0].num_chunks, report.tails[0].chunk_size, report.tails[0].columns
+      (8, 8, 0)
       >>> bool(jnp.allclose(lean(x, w, labels), loss(x, w, labels)))
       True
       >>> g = jax.grad(lean, argnums=(0, 1))(x, w, labels)
       >>> bool(jnp.allclose(g[1], jax.grad(loss, argnums=1)(x, w, labels)))
+      True
+
+      Tiles of rows and columns (here at most 4 KiB of logits each):
+
+      >>> tiled = jaxmem.autochunk(loss, max_chunk_bytes=4 * 1024)
+      >>> tail = tiled.explain(x, w, labels).tails[0]
+      >>> tail.chunk_size, tail.column_chunk_size, tail.num_column_chunks
+      (32, 32, 16)
+      >>> tail.column_inputs
+      ('float32[8,512] args[1] (axis 1)',)
+      >>> g = jax.grad(tiled, argnums=(0, 1))(x, w, labels)
+      >>> bool(jnp.allclose(g[1], jax.grad(loss, argnums=1)(x, w, labels), atol=1e-7))
       True
     """
     fname = "jaxmem.autochunk"

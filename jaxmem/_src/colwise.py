@@ -191,7 +191,9 @@ def _take_along(eqn, a) -> bool:
     )
 
 
-def _label(jaxpr, live, producer, consumers, start, a, size, float_max=True) -> _Labels:
+def _label(live, producer, consumers, start, a: int, size: int) -> _Labels:
+    """The column axis of every value reached from ``start`` (whose axis ``a`` has ``size``
+    columns): back through producers, forward through consumers, up to the column reductions."""
     axis: dict[Any, int] = {}
     reductions: dict[int, str] = {}
     queue = [(start, a)]
@@ -221,11 +223,13 @@ def _label(jaxpr, live, producer, consumers, start, a, size, float_max=True) -> 
             if b is not None:
                 queue.append((eqn.outvars[0], b))
                 continue
-            reductions[i] = _reduction_kind(eqn, v, k, queue, float_max)
+            reductions[i] = _reduction_kind(eqn, v, k, queue)
     return _Labels(axis, size, reductions, "")
 
 
-def _reduction_kind(eqn, v, k, queue, float_max) -> str:
+def _reduction_kind(eqn, v, k: int, queue: list) -> str:
+    """Which column reduction a consumer of ``v`` (columns along ``k``) is, or Refused; a
+    matmul's other operand joins the queue with its contracted axis."""
     name = eqn.primitive.name
     where = f"{name} at {_where(eqn)}"
     if name in ("reduce_sum", "reduce_max", "reduce_min") and k in eqn.params["axes"]:
@@ -495,9 +499,15 @@ class ColumnPlan:
             env[out] = x
         return env
 
-    def _operand(self, body, shape, col, env, cache, width: int):
-        x = jnp.asarray(_evaluate(body, env, cache))
-        return jnp.broadcast_to(x, _resize(shape, col, width))
+    def _operand(self, body, shape, col, env, cache, tile: _Tile, fill=None):
+        """A body over the tile, broadcast to the reduced operand's shape; with ``fill``, the
+        columns an earlier tile already covered (the overlap of the last tile) hold ``fill``."""
+        x = jnp.broadcast_to(
+            jnp.asarray(_evaluate(body, env, cache)), _resize(shape, col, tile.width)
+        )
+        if fill is None or tile.fresh is None:
+            return x
+        return jnp.where(tile.new(x.shape, col), x, jnp.asarray(fill, x.dtype))
 
     def _index(self, eqn, env):
         v = eqn.invars[1]
@@ -506,11 +516,13 @@ class ColumnPlan:
             idx = jnp.clip(idx, 0, self.size - 1)
         return idx
 
-    def _gathered(self, acc: _Acc, body, env, cache, offset, width: int):
-        x = self._operand(body, acc.shape, acc.col, env, cache, width)
+    def _gathered(self, acc: _Acc, body, env, cache, tile: _Tile):
+        x = self._operand(body, acc.shape, acc.col, env, cache, tile)
         p = acc.eqn.params
         idx = self._index(acc.eqn, env)
-        local = idx - jnp.asarray(offset, idx.dtype)
+        local = idx - jnp.asarray(tile.offset, idx.dtype)
+        if tile.fresh is not None:  # columns an earlier tile covered are not taken again
+            local = jnp.where(idx >= tile.fresh, local, -1)
         if idx.shape[acc.col] == 1:
             # One column per row: a masked sum over the tile, whose gradient is a select that
             # XLA fuses with the other per-column cotangents (a gather's is a scatter into a
@@ -518,10 +530,10 @@ class ColumnPlan:
             hit = jax.lax.broadcasted_iota(local.dtype, x.shape, acc.col) == local[..., 0]
             zero = jnp.zeros((), x.dtype)
             return jnp.sum(jnp.where(hit, x, zero), acc.col, keepdims=True)
-        inside = (local >= 0) & (local < width)
+        inside = (local >= 0) & (local < tile.width)
         out = jax.lax.gather(
             x,
-            jnp.clip(local, 0, width - 1),
+            jnp.clip(local, 0, tile.width - 1),
             p["dimension_numbers"],
             p["slice_sizes"],
             indices_are_sorted=p["indices_are_sorted"],
@@ -530,9 +542,9 @@ class ColumnPlan:
         )
         return jnp.where(inside[..., 0], out, jnp.zeros((), out.dtype))
 
-    def _dot(self, acc: _Acc, env, cache, width: int):
-        x = self._operand(acc.body, acc.shape, acc.col, env, cache, width)
-        y = self._operand(acc.other, acc.other_shape, acc.other_col, env, cache, width)
+    def _dot(self, acc: _Acc, env, cache, tile: _Tile):
+        x = self._operand(acc.body, acc.shape, acc.col, env, cache, tile, fill=0)
+        y = self._operand(acc.other, acc.other_shape, acc.other_col, env, cache, tile)
         p = acc.eqn.params
         out = jax.lax.dot_general(
             x,
@@ -543,13 +555,16 @@ class ColumnPlan:
         )
         return out.astype(acc.dtype)
 
-    def _exp_parts(self, acc: _Acc, env, cache, width: int):
-        e = self._operand(acc.expo, acc.shape, acc.col, env, cache, width).astype(acc.dtype)
-        b = self._operand(acc.body, acc.shape, acc.col, env, cache, width)
+    def _exp_parts(self, acc: _Acc, env, cache, tile: _Tile):
+        e = self._operand(acc.expo, acc.shape, acc.col, env, cache, tile).astype(acc.dtype)
+        b = self._operand(acc.body, acc.shape, acc.col, env, cache, tile)
         mask = None
         if acc.body[0] == "select":  # zero where not selected: the maximum runs over the rest
             hit = _picks(_evaluate(acc.body[1], env, cache), acc.body[2])
             mask = jnp.broadcast_to(hit, e.shape)
+        if tile.fresh is not None:
+            new = tile.new(e.shape, acc.col)
+            mask = new if mask is None else mask & new
         return e, b, mask
 
     def _exp_terms(self, acc: _Acc, e, b, mask, ref):
@@ -558,16 +573,17 @@ class ColumnPlan:
             terms = jnp.where(mask, terms, jnp.zeros((), terms.dtype))
         return jnp.sum(terms, acc.col, dtype=acc.dtype)
 
-    def _step(self, env: dict, state: list, offset, width: int) -> list:
+    def _step(self, env: dict, state: list, tile: _Tile) -> list:
         """The accumulators after one more tile."""
         cache: dict = {}
         new = []
         for acc, st in zip(self.accs, state, strict=True):
             if acc.kind == "sum":
-                x = self._operand(acc.body, acc.shape, acc.col, env, cache, width)
+                x = self._operand(acc.body, acc.shape, acc.col, env, cache, tile, fill=0)
                 new.append(st + jnp.sum(x, acc.axes, dtype=acc.dtype))
             elif acc.kind in ("max", "min"):
-                x = self._operand(acc.body, acc.shape, acc.col, env, cache, width)
+                fill = -jnp.inf if acc.kind == "max" else jnp.inf
+                x = self._operand(acc.body, acc.shape, acc.col, env, cache, tile, fill=fill)
                 x = x.astype(acc.dtype)
                 if acc.kind == "min":
                     new.append(jnp.minimum(st, jnp.min(x, acc.axes)))
@@ -580,7 +596,7 @@ class ColumnPlan:
                     new.append((top, jnp.where(best == top, count, 0) + ties))
             elif acc.kind == "expsum":
                 best, total = st
-                e, b, mask = self._exp_parts(acc, env, cache, width)
+                e, b, mask = self._exp_parts(acc, env, cache, tile)
                 low = jnp.asarray(-jnp.inf, acc.dtype)
                 top = jnp.maximum(
                     best, jnp.max(e if mask is None else jnp.where(mask, e, low), acc.col)
@@ -589,10 +605,10 @@ class ColumnPlan:
                 kept = jnp.where(best == low, 0, total * jnp.exp(_finite(best) - ref))
                 new.append((top, kept + self._exp_terms(acc, e, b, mask, ref)))
             elif acc.kind == "gather":
-                x = self._gathered(acc, acc.body, env, cache, offset, width)
+                x = self._gathered(acc, acc.body, env, cache, tile)
                 new.append(st + x.astype(acc.dtype))
             else:
-                new.append(st + self._dot(acc, env, cache, width))
+                new.append(st + self._dot(acc, env, cache, tile))
         return new
 
     def _initial(self) -> list:
@@ -610,16 +626,25 @@ class ColumnPlan:
         return out
 
     def _sweep(self, step: Callable, state, width: int):
-        full, rem = divmod(self.size, width)
-        if full:
-            state = jax.lax.fori_loop(0, full, lambda j, s: step(j * width, width, s), state)
-        if rem:
-            state = step(full * width, rem, state)
-        return state
+        """``step(tile, state)`` over the column tiles, in one loop: when ``width`` does not
+        divide the columns, the last tile ends at the last column and overlaps the one before
+        (its repeated columns are masked out), so that no tile runs outside the loop (a tile
+        after the loop made XLA copy the weight's gradient buffer)."""
+        count = -(-self.size // width)
+        if count == 1:
+            return step(_Tile(0, self.size, None), state)
+        ragged = self.size % width != 0
+
+        def body(j, s):
+            start = j * width
+            offset = jnp.minimum(start, self.size - width) if ragged else start
+            return step(_Tile(offset, width, start if ragged else None), s)
+
+        return jax.lax.fori_loop(0, count, body, state)
 
     def _forward(self, free: dict, take: Callable, width: int) -> list:
-        def step(offset, w, state):
-            return self._step(self._tile(free, take, offset, w), state, offset, w)
+        def step(tile, state):
+            return self._step(self._tile(free, take, tile.offset, tile.width), state, tile)
 
         return self._sweep(step, self._initial(), width)
 
@@ -634,7 +659,7 @@ class ColumnPlan:
         (out,) = j.outvars
         return env[out] if _jc.is_var(out) else out.val
 
-    def _partials(self, env: dict, state: list, dstate: list, offset, width: int):
+    def _partials(self, env: dict, state: list, dstate: list, tile: _Tile):
         """The sum over the accumulators of <cotangent, this tile's part of it>: its gradient
         is the tile's share of the gradient."""
         cache: dict = {}
@@ -643,21 +668,22 @@ class ColumnPlan:
             if not acc.diff:
                 continue
             if acc.kind == "sum":
-                x = self._operand(acc.body, acc.shape, acc.col, env, cache, width)
+                x = self._operand(acc.body, acc.shape, acc.col, env, cache, tile, fill=0)
                 part = jnp.sum(x, acc.axes, dtype=acc.dtype)
             elif acc.kind == "max":
                 best, count = st
-                x = self._operand(acc.body, acc.shape, acc.col, env, cache, width)
+                x = self._operand(acc.body, acc.shape, acc.col, env, cache, tile, fill=-jnp.inf)
                 hit = x == jnp.expand_dims(best, acc.axes)
                 share = hit.astype(acc.dtype) / jnp.expand_dims(count, acc.axes)
+                x = jnp.where(hit, x, jnp.zeros((), x.dtype))
                 part = jnp.sum(x * jax.lax.stop_gradient(share), acc.axes, dtype=acc.dtype)
             elif acc.kind == "expsum":
-                e, b, mask = self._exp_parts(acc, env, cache, width)
+                e, b, mask = self._exp_parts(acc, env, cache, tile)
                 part = self._exp_terms(acc, e, b, mask, _finite(st[0]))
             elif acc.kind == "gather":
-                part = self._gathered(acc, acc.body, env, cache, offset, width)
+                part = self._gathered(acc, acc.body, env, cache, tile)
             else:
-                part = self._dot(acc, env, cache, width)
+                part = self._dot(acc, env, cache, tile)
             total = total + jnp.sum(part.astype(jnp.float32) * d.astype(jnp.float32))
         return total
 
@@ -730,8 +756,9 @@ class ColumnPlan:
         fvars = [v for v in self.sweep_free if _is_float(v)]
         cols = [k for k, _ in self.sliced if k < len(diff) and diff[k]]
 
-        def tile_grads(offset, w, carry):
+        def tile_grads(tile, carry):
             dfree, bufs = carry
+            offset, w = tile.offset, tile.width
 
             def part(tiles, fv):
                 env = {**free, **dict(zip(fvars, fv, strict=True))}
@@ -740,7 +767,7 @@ class ColumnPlan:
                     return tiles[cols.index(k)] if k in cols else take(k, o, width)
 
                 tenv = self._tile(env, take_d, offset, w)
-                return self._partials(tenv, state, dstate, offset, w)
+                return self._partials(tenv, state, dstate, tile)
 
             tiles = [take(k, offset, w) for k in cols]
             gt, gf = jax.grad(part, argnums=(0, 1))(tiles, [free[v] for v in fvars])
@@ -761,6 +788,21 @@ class ColumnPlan:
         for k, g in zip(wrt, gin, strict=True):
             grads[k] = g
         return value, grads, bufs
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tile:
+    """Columns ``[offset, offset + width)``; ``fresh`` (or None: all) the first column that no
+    earlier tile covered."""
+
+    offset: Any
+    width: int
+    fresh: Any
+
+    def new(self, shape, col: int):
+        """Where the columns of a value of ``shape`` (columns along ``col``) are new."""
+        cols = jax.lax.broadcasted_iota(jnp.int32, shape, col) + jnp.asarray(self.offset, jnp.int32)
+        return cols >= self.fresh
 
 
 def _part(acc: _Acc, st):
@@ -840,7 +882,7 @@ def plan(closed, n_split: int) -> ColumnPlan:
                 continue
             source = f"dot_general at {_where(e)} ({_type(out)}, axis {b})"
             try:
-                labels = _label(j, live, producer, consumers, out, b, _shape(out)[b])
+                labels = _label(live, producer, consumers, out, b, _shape(out)[b])
             except Refused as r:
                 reasons.append(f"the columns of {source}: {r}")
                 continue
