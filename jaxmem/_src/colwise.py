@@ -907,9 +907,21 @@ def _diff_live(j, live) -> set:
     return out
 
 
-def _build(closed, live, labels: _Labels, producer, n_split: int) -> ColumnPlan:
-    j = _jc.open_jaxpr(closed)
-    axis, size = labels.axis, labels.size
+_KINDS = {
+    "sum": "sum",
+    "max": "maximum",
+    "min": "minimum",
+    "expsum": "sum of exponentials (online log-sum-exp)",
+    "gather": "one column per row (take_along_axis)",
+    "dot": "matmul contracting the columns",
+}
+
+
+def _categories(j, live, labels: _Labels) -> tuple[list, set]:
+    """Per equation where it runs: "pre" (before the column reductions, whole), "sweep"
+    (column-wise, free of reductions: tile by tile), "reduce" (a column reduction: from the
+    accumulators), "form" (column-wise, computed from reductions: rewritten, never run),
+    "post" (after the reductions, whole) or "dead"; and the values computed from reductions."""
     inner: set = set()
     cat = []
     for i, e in enumerate(j.eqns):
@@ -923,11 +935,26 @@ def _build(closed, live, labels: _Labels, producer, n_split: int) -> ColumnPlan:
         dep = any(_jc.is_var(v) and v in inner for v in e.invars)
         if dep:
             inner.update(e.outvars)
-        col = any(v in axis for v in e.outvars)
+        col = any(v in labels.axis for v in e.outvars)
         cat.append(("form" if dep else "sweep") if col else ("post" if dep else "pre"))
-    sources = list(j.invars) + list(j.constvars)
-    sliced = tuple((k, axis[v]) for k, v in enumerate(sources) if v in axis)
+    return cat, inner
 
+
+@dataclasses.dataclass
+class _Reductions:
+    """The accumulators, one recipe per column reduction, what the recipes read, and which
+    reductions read each accumulator."""
+
+    accs: list
+    recipes: dict
+    reads: set
+    users: dict
+
+
+def _reductions(j, cat: list, inner: set, labels: _Labels) -> _Reductions:
+    """Rewrites the values computed from reductions as forms and each column reduction as a
+    recipe over accumulators (equal per-tile reductions share one)."""
+    axis = labels.axis
     forms: dict[Any, tuple] = {}
 
     def form(v) -> tuple:
@@ -942,82 +969,80 @@ def _build(closed, live, labels: _Labels, producer, n_split: int) -> ColumnPlan:
             raise Refused(f"{where}: selects by a value computed from a column reduction")
         return ("var", v)
 
-    accs: list[_Acc] = []
+    out = _Reductions([], {}, set(), {})
     index: dict = {}
 
     def acc(key, make) -> int:
         if key not in index:
-            index[key] = len(accs)
-            accs.append(make())
+            index[key] = len(out.accs)
+            out.accs.append(make())
         return index[key]
 
-    recipes: dict[int, Callable] = {}
-    post_vars: set = set()
-    users: dict[int, list] = {}  # accumulator -> reductions reading it
     for i, e in enumerate(j.eqns):
         where = f"{e.primitive.name} at {_where(e)}"
         if cat[i] == "form":
             forms[e.outvars[0]] = _form_rule(e, [form(v) for v in e.invars], where, selector, axis)
         elif cat[i] == "reduce":
-            recipe, used, reads = _reduce_rule(e, form, axis, size, acc, where)
-            recipes[i] = recipe
-            post_vars |= reads
-            for a in used:
-                users.setdefault(a, []).append(i)
+            recipe, used, reads = _reduce_rule(e, form, axis, labels.size, acc, where)
+            out.recipes[i] = recipe
+            out.reads |= reads
+            for k in used:
+                out.users.setdefault(k, []).append(i)
+    return out
+
+
+def _build(closed, live, labels: _Labels, producer, n_split: int) -> ColumnPlan:
+    j = _jc.open_jaxpr(closed)
+    axis, size = labels.axis, labels.size
+    cat, inner = _categories(j, live, labels)
+    red = _reductions(j, cat, inner, labels)
     dl = _diff_live(j, live)
-    for a, eqns in users.items():
-        acc_ = accs[a]
-        acc_.diff = jnp.issubdtype(acc_.dtype, jnp.inexact) and any(
+    for k, eqns in red.users.items():
+        a = red.accs[k]
+        a.diff = jnp.issubdtype(a.dtype, jnp.inexact) and any(
             j.eqns[i].outvars[0] in dl for i in eqns
         )
 
+    # The values computed before the reductions that the sweeps and the part after them read.
     sweep_refs: set = set()
+    post_refs = set(red.reads)
     for i, e in enumerate(j.eqns):
-        if cat[i] == "sweep":
-            sweep_refs.update(v for v in e.invars if _jc.is_var(v))
-        elif cat[i] in ("post", "reduce"):
-            post_vars.update(v for v in e.invars if _jc.is_var(v))
-    for a in accs:
+        refs = (
+            sweep_refs if cat[i] == "sweep" else post_refs if cat[i] in ("post", "reduce") else None
+        )
+        if refs is not None:
+            refs.update(v for v in e.invars if _jc.is_var(v))
+    for a in red.accs:
         for expr in (a.body, a.expo, a.other):
             _vars(expr, sweep_refs)
         if a.kind == "gather" and _jc.is_var(a.eqn.invars[1]):
             sweep_refs.add(a.eqn.invars[1])
-    outer = [v for v in list(j.invars) + [e_v for e in j.eqns for e_v in e.outvars]]
-    produced_late = {v for i, e in enumerate(j.eqns) if cat[i] != "pre" for v in e.outvars}
-    constset = set(j.constvars)
-
-    def is_outer(v):
-        return v not in axis and v not in produced_late and v not in constset
-
-    sweep_free = [v for v in dict.fromkeys(outer) if v in sweep_refs and is_outer(v)]
-    pre_out = [
-        v for v in dict.fromkeys(outer) if (v in sweep_refs or v in post_vars) and is_outer(v)
+    late = {v for i, e in enumerate(j.eqns) if cat[i] != "pre" for v in e.outvars}
+    outer = [
+        v
+        for v in dict.fromkeys([*j.invars, *(v for e in j.eqns for v in e.outvars)])
+        if v not in axis and v not in late
     ]
+    sweep_free = [v for v in outer if v in sweep_refs]
+    pre_out = [v for v in outer if v in sweep_refs or v in post_refs]
+
     col_bytes = max(
         (math.ceil(_jc.nbytes(v.aval) / size) for v in axis if v in producer), default=0
     )
     held = dict.fromkeys(sweep_free + [v for v in j.invars[:n_split] if v not in axis])
     row_bytes = sum(_jc.nbytes(v.aval) * (2 if _is_float(v) else 1) for v in held)
-    row_bytes += sum(2 * math.prod(a.out_shape) * np.dtype(a.dtype).itemsize for a in accs)
-    notes = []
-    for a in accs:
-        red = {
-            "sum": "sum",
-            "max": "maximum",
-            "min": "minimum",
-            "expsum": "sum of exponentials (online log-sum-exp)",
-            "gather": "one column per row (take_along_axis)",
-            "dot": "matmul contracting the columns",
-        }[a.kind]
-        notes.append(red)
+    row_bytes += sum(2 * math.prod(a.out_shape) * np.dtype(a.dtype).itemsize for a in red.accs)
     reductions = tuple(
         f"{j.eqns[i].primitive.name} at {_where(j.eqns[i])}: "
-        + ", ".join(dict.fromkeys(notes[a] for a, es in users.items() if i in es))
-        for i in sorted(recipes)
+        + ", ".join(
+            dict.fromkeys(_KINDS[red.accs[k].kind] for k, es in red.users.items() if i in es)
+        )
+        for i in sorted(red.recipes)
     )
+    sources = list(j.invars) + list(j.constvars)
     return ColumnPlan(
         size=size,
-        sliced=sliced,
+        sliced=tuple((k, axis[v]) for k, v in enumerate(sources) if v in axis),
         reductions=reductions,
         source=labels.source,
         col_bytes=col_bytes,
@@ -1026,8 +1051,8 @@ def _build(closed, live, labels: _Labels, producer, n_split: int) -> ColumnPlan:
         consts=_jc.jaxpr_consts(closed),
         axis=axis,
         cat=cat,
-        accs=accs,
-        recipes=recipes,
+        accs=red.accs,
+        recipes=red.recipes,
         pre_out=pre_out,
         sweep_free=sweep_free,
     )
