@@ -422,3 +422,27 @@ def test_default_tiles_keep_no_full_weight_gradient():
     assert naive >= 2 * n * v * 4, naive
     assert rows >= d * v * 4 and tiled < d * v * 4 // 2, (rows, tiled)
     assert tiled <= 3 * budget + 2 * d * tail.column_chunk_size * 4 + 2 * tail.chunk_size * d * 4
+
+
+@pytest.mark.parametrize(("n", "d", "tiles"), [(4096, 512, (512, 512)), (8192, 1024, (512, 1024))])
+def test_lm_head_at_the_defaults_keeps_what_a_tiled_cross_entropy_keeps(n, d, tiles):
+    # Issue 24: the naive optax loss over x @ w (V=32768, f32) at autochunk's defaults runs in
+    # about 512 tiles of at least 1 MiB (not 4 MiB ones: 2.4x the temp at N=4096), and keeps
+    # no more than the hand-written tiled loss at the same tiles or at its own defaults.
+    from jaxmem.losses import linear_cross_entropy  # noqa: PLC0415
+
+    s, v = jax.ShapeDtypeStruct, 32768
+    args = (s((n, d), jnp.float32), s((d, v), jnp.float32), s((n,), jnp.int32))
+    lean = jaxmem.autochunk(ce)
+    tail = lean.explain(*args).tails[0]
+    rows, cols = tiles
+    assert (tail.chunk_size, tail.column_chunk_size) == tiles, tail
+    auto = _temp(lean, *args)
+    same = _temp(
+        lambda x, w, y: linear_cross_entropy(x, w, y, chunk_size=cols, token_chunk_size=rows),
+        *args,
+    )
+    default = _temp(lambda x, w, y: linear_cross_entropy(x, w, y), *args)
+    assert auto <= 1.1 * same and auto <= 1.1 * default, (auto, same, default)
+    # A few [rows, columns] blocks, the [rows, D] and [D, columns] slices and their gradients.
+    assert auto <= 4 * rows * cols * 4 + 4 * (rows + cols) * d * 4, auto

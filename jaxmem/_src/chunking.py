@@ -41,6 +41,12 @@ from jaxmem._src.scan import ForwardModeError
 
 _REDUCTIONS = ("sum", "mean")
 DEFAULT_MAX_CHUNK_BYTES = 4 * 2**20
+# Tiles of rows x columns (sizes not given): about this many, of at least
+# _MIN_TILE_BYTES each (and at most max_chunk_bytes), as the default tiles of a hand-written
+# tiled cross-entropy. A tile costs a loop iteration whatever its size; with fewer tiles than a
+# few hundred they are larger than they need be (the temp is a few tiles).
+_TARGET_TILES = 512
+_MIN_TILE_BYTES = 2**20
 
 _FORWARD_MODE = (
     "{fn} computes gradients chunk by chunk under a custom VJP, and JAX cannot apply "
@@ -628,7 +634,7 @@ class _Analysis:
         plan, note = self._columns(tail)
         if plan is None:
             return _Chosen(tail, self._size(tail), None, 0, note)
-        opts, budget = self.options, self.max_chunk_bytes
+        opts, budget = self.options, self._tile_bytes(plan)
         cell = max(1, math.ceil(plan.col_bytes / tail.rows))  # one row, one column
         if opts.chunk_size is not None:
             rows = min(opts.chunk_size, tail.rows)
@@ -649,6 +655,13 @@ class _Analysis:
         if note:
             return _Chosen(tail, self._size(tail), None, 0, note)
         return _Chosen(tail, rows, plan, width, "")
+
+    def _tile_bytes(self, plan) -> int:
+        """The bytes of one tile's largest intermediate: ``max_chunk_bytes``, or less when the
+        whole intermediate makes fewer than ``_TARGET_TILES`` tiles of it (never below
+        ``_MIN_TILE_BYTES``)."""
+        whole = plan.col_bytes * plan.size
+        return min(self.max_chunk_bytes, max(_MIN_TILE_BYTES, -(-whole // _TARGET_TILES)))
 
     def _columns(self, tail: _rw.Tail):
         """The column plan of a tail, or None and why the columns stay whole."""
@@ -949,7 +962,9 @@ def autochunk(
     ``exp(z - max)`` runs as an online log-sum-exp), each chunk of rows also runs in tiles of
     columns: a forward sweep accumulates the reductions, a backward sweep recomputes each tile
     and adds its share of the weight's gradient in place. Tiles are about square, one tile's
-    largest intermediate within ``max_chunk_bytes``. The columns stay whole (``.explain`` says
+    largest intermediate within ``max_chunk_bytes`` and, where that still makes fewer than
+    about 512 tiles, smaller: about 512 tiles of at least 1 MiB (the temp is a few tiles, and a
+    tile costs one loop iteration whatever its size). The columns stay whole (``.explain`` says
     why) when a use does not split (a sort or cumulative sum along them, a ``log`` of a
     probability, ...), when ``columns=False``, or when the gradient of the weights split along
     them is small: within ``max_chunk_bytes``, or no more than what a tile holds per row.
@@ -966,7 +981,8 @@ def autochunk(
     Args:
       fn: the loss, returning a scalar.
       max_chunk_bytes: the bytes one chunk's (or tile's) largest intermediate may take (default
-        4 MiB); tails whose largest intermediate is smaller are left as written.
+        4 MiB; tiles of rows and columns may take less, see above); tails whose largest
+        intermediate is smaller are left as written.
       chunk_size: rows per chunk, instead of the size derived from ``max_chunk_bytes``.
       column_chunk_size: columns per tile, instead of the size derived from
         ``max_chunk_bytes``; given, the columns are split whenever they can be.
