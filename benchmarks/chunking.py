@@ -1,21 +1,24 @@
 """Automatic chunking of loss tails: ``jaxmem.autochunk`` against the naive loss and its peers.
 
-``python -m benchmarks.chunking [--quick] [--no-time] [--json PATH]`` prints three tables, every
+``python -m benchmarks.chunking [--quick] [--no-time] [--json PATH]`` prints four tables, every
 figure measured in this run (DESIGN.md section 3: compiled ``temp_size_in_bytes`` of the jitted
-value-and-gradient, times interleaved in one process, min/median):
+value-and-gradient, times interleaved in one process):
 
-1. Cross-entropy of an LM head, ``optax.softmax_cross_entropy_with_integer_labels(x @ w, y)
-   .mean()`` at N=8192 tokens, D=1024, V=32768 (f32): the naive loss, ``autochunk`` of it
-   (chunks of rows), the hand-written ``jaxmem.losses.linear_cross_entropy`` and ``jax-cce``
-   0.1.0 (both chunks of vocabulary columns, all tokens at once: ``token_chunk_size=N``) at the
-   same chunking: the chunk's ``[rows, V]`` or ``[N, columns]`` block of the same bytes. Times
-   at N=2048, D=512, V=16384 (the N=8192 step takes seconds per run on a CPU).
-2. A big-MLP head with a per-token loss: ``mean((gelu(x @ w1) @ w2 - t) ** 2)``, tokens x 4d
-   hidden (N=8192, d=1024): naive vs ``autochunk``.
-3. The training step of a GPT-2-small-shaped model (12 layers, d 768, 12 heads, vocabulary
-   50257; batch and sequence scaled to this CPU): the gradient of the next-token loss as
-   written, with ``autochunk`` around the same loss, and with the hand-written
-   ``linear_cross_entropy`` head: the AutoChunker's GPT-2 table, in JAX.
+1. Cross-entropy of an LM head at everyone's defaults, ``optax.softmax_cross_entropy_with_
+   integer_labels(x @ w, y).mean()`` (f32) at N=4096 D=512 V=32768 and N=8192 D=1024 V=32768:
+   the naive loss, ``autochunk`` of it (tiles of tokens and vocabulary), the hand-written
+   ``jaxmem.losses.linear_cross_entropy`` at its defaults and at autochunk's tiles, and tokamax's
+   ``linear_softmax_cross_entropy_loss(implementation="chunked_xla")`` at its defaults (where
+   the installed tokamax has it).
+2. The same loss with ``autochunk(columns=False)`` (chunks of tokens only, the vocabulary whole)
+   against ``linear_cross_entropy`` at the same chunking, and ``jax-cce`` 0.1.0 at the same
+   block bytes (N=8192 D=1024 V=32768).
+3. Step times at N=2048 D=512 V=16384, interleaved: the median over rounds of each variant's time
+   over the naive loss's in the same round.
+4. A big-MLP head with a per-token loss, ``mean((gelu(x @ w1) @ w2 - t) ** 2)`` (N=8192,
+   d=1024), and the training step of a GPT-2-small-shaped model (12 layers, d 768, 12 heads,
+   vocabulary 50257; batch and sequence scaled to this CPU): the gradient as written and with
+   ``autochunk`` (the AutoChunker's GPT-2 table, in JAX).
 
 ``--quick`` runs tiny shapes (a smoke test of the script). Values and gradients of every chunked
 variant are compared with the naive ones where the script runs them.
@@ -58,6 +61,29 @@ def naive_ce(x, w, y):
     return optax.softmax_cross_entropy_with_integer_labels(x @ w, y).mean()
 
 
+def _tokamax():
+    """tokamax's chunked XLA loss at its defaults, or None (not installed, or a version without
+    ``implementation="chunked_xla"``: tokamax 0.0.12 says so with a ValueError)."""
+    try:
+        import tokamax  # noqa: PLC0415
+    except ImportError:
+        return None
+
+    def loss(x, w, y):
+        return tokamax.linear_softmax_cross_entropy_loss(
+            x, y, w, reduction="mean", implementation="chunked_xla"
+        )
+
+    s = jax.ShapeDtypeStruct
+    try:
+        jax.eval_shape(
+            loss, s((128, 128), jnp.float32), s((128, 256), jnp.float32), s((128,), jnp.int32)
+        )
+    except ValueError:
+        return None
+    return loss
+
+
 def _cce():
     try:
         import jax_cce  # noqa: PLC0415
@@ -67,20 +93,44 @@ def _cce():
     return lambda x, w, y, chunk: jax_cce.linear_cross_entropy(x, w.T, y, chunk_size=chunk)
 
 
-def bench_ce(n: int, d: int, v: int, row_chunks: Sequence[int], limit: int) -> dict[str, Any]:
-    """Temp of the CE gradient: naive, autochunk, linear_cross_entropy, jax-cce per chunking.
+def bench_defaults(n: int, d: int, v: int) -> dict[str, Any]:
+    """Temp of the CE gradient at everyone's defaults (and lce at autochunk's tiles)."""
+    s = jax.ShapeDtypeStruct
+    args = (s((n, d), jnp.float32), s((d, v), jnp.float32), s((n,), jnp.int32))
+    lean = jaxmem.autochunk(naive_ce)
+    tail = lean.explain(*args).tails[0]
+    rows, cols = tail.chunk_size, tail.column_chunk_size or v
+    res: dict[str, Any] = {
+        "N": n,
+        "D": d,
+        "V": v,
+        "tiles": [rows, cols],
+        "report": str(lean.explain(*args)),
+        "naive": _temp(naive_ce, *args),
+        "autochunk": _temp(lean, *args),
+        "linear_cross_entropy": _temp(lambda x, w, y: linear_cross_entropy(x, w, y), *args),
+        "linear_cross_entropy_same_tiles": _temp(
+            lambda x, w, y: linear_cross_entropy(x, w, y, chunk_size=cols, token_chunk_size=rows),
+            *args,
+        ),
+    }
+    tk = _tokamax()
+    res["tokamax"] = None if tk is None else _temp(tk, *args)
+    for k in ("naive", "linear_cross_entropy", "linear_cross_entropy_same_tiles", "tokamax"):
+        res[f"autochunk_over_{k}"] = None if res[k] is None else res["autochunk"] / res[k]
+    return res
 
-    Two ``linear_cross_entropy`` columns: at the same chunking as autochunk (token tiles of
-    ``rows``, the vocabulary in one chunk) and at the same block bytes with vocabulary chunks
-    only (its leanest layout for that block: all tokens, ``cols`` columns).
-    """
+
+def bench_rows(n: int, d: int, v: int, row_chunks: Sequence[int]) -> dict[str, Any]:
+    """Temp of the CE gradient in chunks of tokens only: autochunk(columns=False), lce at the
+    same chunking, lce and jax-cce in vocabulary chunks of the same block bytes."""
     s = jax.ShapeDtypeStruct
     args = (s((n, d), jnp.float32), s((d, v), jnp.float32), s((n,), jnp.int32))
     cce = _cce()
     res: dict[str, Any] = {"N": n, "D": d, "V": v, "naive": _temp(naive_ce, *args), "rows": []}
     for rows in row_chunks:
         cols = rows * v // n  # the same block bytes: [rows, V] and [N, cols]
-        lean = jaxmem.autochunk(naive_ce, chunk_size=rows)
+        lean = jaxmem.autochunk(naive_ce, chunk_size=rows, columns=False)
         row: dict[str, Any] = {
             "chunk_rows": rows,
             "chunk_cols": cols,
@@ -106,44 +156,44 @@ def bench_ce(n: int, d: int, v: int, row_chunks: Sequence[int], limit: int) -> d
         )
         row["autochunk_over_naive"] = row["autochunk"] / res["naive"]
         res["rows"].append(row)
-    default = jaxmem.autochunk(naive_ce, max_chunk_bytes=limit)
-    res["default_report"] = str(default.explain(*args))
-    res["default_autochunk"] = _temp(default, *args)
     return res
 
 
-def time_ce(n: int, d: int, v: int, rows: int, repeats: int) -> dict[str, Any]:
-    """Interleaved value-and-grad times: naive, autochunk (chunks of ``rows``), lce, jax-cce."""
+def time_ce(n: int, d: int, v: int, repeats: int) -> dict[str, Any]:
+    """Interleaved value-and-grad times at everyone's defaults, against the naive loss.
+
+    ``over_naive`` is the median over the rounds of the variant's time over the naive loss's
+    time in the same round (paired, so that the load of the machine cancels).
+    """
     kx, kw, ky = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(kx, (n, d))
     w = jax.random.normal(kw, (d, v)) / np.sqrt(d)
     y = jax.random.randint(ky, (n,), 0, v)
-    cols = rows * v // n
     losses = {
         "naive": naive_ce,
-        "autochunk": jaxmem.autochunk(naive_ce, chunk_size=rows),
-        "linear_cross_entropy": lambda x, w, y: linear_cross_entropy(
-            x, w, y, chunk_size=cols, token_chunk_size=n
-        ),
+        "autochunk": jaxmem.autochunk(naive_ce, warn=False),
+        "autochunk(columns=False)": jaxmem.autochunk(naive_ce, columns=False, warn=False),
+        "linear_cross_entropy": lambda x, w, y: linear_cross_entropy(x, w, y),
     }
-    cce = _cce()
-    if cce is not None:
-        losses["jax_cce"] = lambda x, w, y: cce(x, w, y, cols)
+    tk = _tokamax()
+    if tk is not None:
+        losses["tokamax chunked_xla"] = tk
     fns = {k: jax.jit(jax.value_and_grad(f, argnums=(0, 1))) for k, f in losses.items()}
     times = time_interleaved(fns, x, w, y, repeats=repeats)
     want = times["naive"].output
-    res: dict[str, Any] = {"N": n, "D": d, "V": v, "chunk_rows": rows, "repeats": repeats}
+    base = times["naive"].samples_s
+    res: dict[str, Any] = {"N": n, "D": d, "V": v, "repeats": repeats, "times": {}}
     for k, t in times.items():
-        res[k] = {
+        res["times"][k] = {
             "min_s": t.min_s,
             "median_s": t.median_s,
-            "over_naive": t.median_s / times["naive"].median_s,
+            "over_naive": float(np.median(np.array(t.samples_s) / np.array(base))),
             "rel_err": _rel_err(t.output, want),
         }
     return res
 
 
-def bench_mlp(n: int, d: int, run: bool, limit: int) -> dict[str, Any]:
+def bench_mlp(n: int, d: int, run: bool, limit: int | None) -> dict[str, Any]:
     """The big-MLP head with a per-token squared error: naive vs autochunk temp (and values)."""
 
     def head(x, w1, w2, t):
@@ -152,7 +202,7 @@ def bench_mlp(n: int, d: int, run: bool, limit: int) -> dict[str, Any]:
     s = jax.ShapeDtypeStruct
     shapes = [(n, d), (d, 4 * d), (4 * d, d), (n, d)]
     args = [s(sh, jnp.float32) for sh in shapes]
-    lean = jaxmem.autochunk(head, max_chunk_bytes=limit)
+    lean = _autochunk(head, limit)
     res: dict[str, Any] = {"N": n, "d": d, "report": str(lean.explain(*args))}
     res["naive"] = _temp(head, *args, argnums=(0, 1, 2))
     res["autochunk"] = _temp(lean, *args, argnums=(0, 1, 2))
@@ -167,6 +217,10 @@ def bench_mlp(n: int, d: int, run: bool, limit: int) -> dict[str, Any]:
     return res
 
 
+def _autochunk(f, limit: int | None):
+    return jaxmem.autochunk(f) if limit is None else jaxmem.autochunk(f, max_chunk_bytes=limit)
+
+
 def gpt2_config(quick: bool) -> tuple[models.GPTConfig, int]:
     """GPT-2 small (12 layers, d 768, 12 heads, vocabulary 50257), sequence 128, batch 8."""
     if quick:
@@ -179,14 +233,14 @@ def gpt2_config(quick: bool) -> tuple[models.GPTConfig, int]:
     return config, 8
 
 
-def bench_gpt2(quick: bool, time_it: bool, repeats: int, limit: int) -> dict[str, Any]:
+def bench_gpt2(quick: bool, time_it: bool, repeats: int, limit: int | None) -> dict[str, Any]:
     """The whole training-step gradient, as written / autochunk / linear_cross_entropy head."""
     config, batch = gpt2_config(quick)
     model = models.GPT(config, jax.lax.scan)
     written = models.next_token_loss(model)
     losses = {
         "as written": written,
-        "autochunk": jaxmem.autochunk(written, max_chunk_bytes=limit),
+        "autochunk": _autochunk(written, limit),
         "linear_cross_entropy head": models.linear_ce_next_token_loss(model),
     }
     params = models.abstract_params(config, batch)
@@ -222,14 +276,42 @@ def bench_gpt2(quick: bool, time_it: bool, repeats: int, limit: int) -> dict[str
     return res
 
 
-def _tables(ce, ce_time, mlp, gpt) -> str:
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"x{x:.3f}"
+
+
+def _tables(defaults, rows, ce_time, mlp, gpt) -> str:
     mib = format_mib
-    out = [f"Cross-entropy N={ce['N']} D={ce['D']} V={ce['V']}: naive temp {mib(ce['naive'])}"]
+    out = ["Cross-entropy at everyone's defaults: temp of the value-and-gradient"]
+    out.append(
+        f"{'N D V':>18} {'naive':>11} {'autochunk':>10} {'(tiles)':>12} {'linCE':>10} "
+        f"{'linCE@ac':>10} {'tokamax':>10} {'ac/linCE':>9} {'ac/@ac':>8} {'ac/tokamax':>10}"
+    )
+    for r in defaults:
+        tiles = f"{r['tiles'][0]}x{r['tiles'][1]}"
+        out.append(
+            f"{r['N']:>6} {r['D']:>5} {r['V']:>5} {mib(r['naive']):>11} {mib(r['autochunk']):>10} "
+            f"{tiles:>12} {mib(r['linear_cross_entropy']):>10} "
+            f"{mib(r['linear_cross_entropy_same_tiles']):>10} {mib(r['tokamax']):>10} "
+            f"{_ratio(r['autochunk_over_linear_cross_entropy']):>9} "
+            f"{_ratio(r['autochunk_over_linear_cross_entropy_same_tiles']):>8} "
+            f"{_ratio(r['autochunk_over_tokamax']):>10}"
+        )
+    out.append(
+        "  linCE: linear_cross_entropy at its defaults; linCE@ac: at autochunk's tiles (tokens x "
+        "vocabulary); tokamax: linear_softmax_cross_entropy_loss(implementation='chunked_xla') "
+        "at its defaults ('-': not in the installed tokamax)"
+    )
+    out.append(defaults[-1]["report"])
+    out.append(
+        f"\nChunks of tokens only (autochunk(columns=False)), N={rows['N']} D={rows['D']} "
+        f"V={rows['V']}: naive temp {mib(rows['naive'])}"
+    )
     out.append(
         f"{'chunk (rows | cols)':>20} {'block':>10} {'autochunk':>11} {'linCE rows':>11} "
         f"{'linCE cols':>11} {'jax-cce':>11} {'ac/rows':>8} {'ac/cols':>8} {'ac/naive':>9}"
     )
-    for r in ce["rows"]:
+    for r in rows["rows"]:
         out.append(
             f"{r['chunk_rows']:>9} | {r['chunk_cols']:<8} {mib(r['block_bytes']):>10} "
             f"{mib(r['autochunk']):>11} {mib(r['linear_cross_entropy_same_tiles']):>11} "
@@ -238,23 +320,19 @@ def _tables(ce, ce_time, mlp, gpt) -> str:
             f"{r['autochunk_over_naive']:>9.4f}"
         )
     out.append(
-        "  linCE rows: linear_cross_entropy at autochunk's chunking (token tiles of `rows`, the "
+        "  linCE rows: linear_cross_entropy at the same chunking (token tiles of `rows`, the "
         "vocabulary whole); linCE cols: at the same block bytes in vocabulary chunks of `cols`"
     )
-    out.append(f"default autochunk: temp {mib(ce['default_autochunk'])}")
-    out.append(ce["default_report"])
     if ce_time:
         out.append(
-            f"\nCE time N={ce_time['N']} D={ce_time['D']} V={ce_time['V']}, chunks of "
-            f"{ce_time['chunk_rows']} rows (same block for the others), median of "
-            f"{ce_time['repeats']}:"
+            f"\nCE time N={ce_time['N']} D={ce_time['D']} V={ce_time['V']}, everyone at its "
+            f"defaults, {ce_time['repeats']} interleaved rounds (median of the per-round ratio):"
         )
-        for k, t in ce_time.items():
-            if isinstance(t, dict):
-                out.append(
-                    f"  {k:<22} {t['median_s'] * 1e3:8.1f} ms  x{t['over_naive']:.2f} naive  "
-                    f"max rel. err {t['rel_err']:.1e}"
-                )
+        for k, t in ce_time["times"].items():
+            out.append(
+                f"  {k:<26} {t['median_s'] * 1e3:8.1f} ms  x{t['over_naive']:.3f} naive  "
+                f"max rel. err {t['rel_err']:.1e}"
+            )
     out.append(
         f"\nMLP head N={mlp['N']} d={mlp['d']} (hidden 4d): naive {mib(mlp['naive'])}, "
         f"autochunk {mib(mlp['autochunk'])} (x{mlp['autochunk_over_naive']:.3f})"
@@ -284,28 +362,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
     parser.add_argument("--no-time", action="store_true", help="memory only")
     parser.add_argument("--json", type=pathlib.Path, help="write every figure to this file")
-    parser.add_argument("--repeats", type=int, default=MIN_REPEATS)
+    parser.add_argument(
+        "--repeats", type=int, default=21, help="interleaved rounds of the CE time table"
+    )
     args = parser.parse_args(argv)
     time_it = not args.no_time
-    # autochunk's default max_chunk_bytes (16 MiB); tiny shapes need a tiny one to chunk at all.
-    limit = 32 * 1024 if args.quick else jaxmem.autochunk(naive_ce).max_chunk_bytes
+    # Tiny shapes need a tiny max_chunk_bytes to chunk at all; else autochunk's defaults.
+    limit = 32 * 1024 if args.quick else None
     if args.quick:
-        ce = bench_ce(256, 32, 2048, (64,), limit)
-        ce_time = time_ce(256, 32, 2048, 64, 3) if time_it else None
+        defaults = [bench_defaults(256, 128, 16384)]
+        rows = bench_rows(256, 32, 2048, (64,))
+        ce_time = time_ce(256, 32, 2048, 3) if time_it else None
         mlp = bench_mlp(256, 32, run=True, limit=limit)
     else:
-        ce = bench_ce(8192, 1024, 32768, (256, 512, 1024, 2048), limit)
-        ce_time = time_ce(2048, 512, 16384, 512, args.repeats) if time_it else None
+        defaults = [bench_defaults(4096, 512, 32768), bench_defaults(8192, 1024, 32768)]
+        rows = bench_rows(8192, 1024, 32768, (256, 1024))
+        ce_time = time_ce(2048, 512, 16384, args.repeats) if time_it else None
         mlp = bench_mlp(8192, 1024, run=False, limit=limit)
-    gpt = bench_gpt2(args.quick, time_it, 3 if args.quick else args.repeats, limit)
-    print(_tables(ce, ce_time, mlp, gpt))
+    gpt = bench_gpt2(args.quick, time_it, 3 if args.quick else MIN_REPEATS, limit)
+    print(_tables(defaults, rows, ce_time, mlp, gpt))
     if args.json:
         out = {
             "jax": jax.__version__,
             "backend": jax.default_backend(),
             "platform": platform.platform(),
             "date": datetime.datetime.now(datetime.UTC).isoformat(),
-            "cross_entropy": ce,
+            "cross_entropy_defaults": defaults,
+            "cross_entropy_rows": rows,
             "cross_entropy_time": ce_time,
             "mlp_head": mlp,
             "gpt2": gpt,

@@ -28,7 +28,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
+import jax.numpy as jnp
+from jax.extend import source_info_util as _siu
 
 from jaxmem._src import jax_compat as _jc
 
@@ -224,7 +225,7 @@ _RULES: dict[str, Rule] = {
 }
 
 
-def _in_axes(eqn, out_axes: list) -> list | None:
+def in_axes(eqn, out_axes: list) -> list | None:
     """The rows' axis of each input of ``eqn``, or None when it is not row-wise."""
     rule = _RULES.get(eqn.primitive.name)
     if rule is None or eqn.effects or any(a is None for a in out_axes):
@@ -232,15 +233,15 @@ def _in_axes(eqn, out_axes: list) -> list | None:
     if len(out_axes) != 1 and eqn.primitive.name != "split":
         return None
     try:
-        in_axes = rule(eqn, out_axes)
+        axes = rule(eqn, out_axes)
     except (KeyError, IndexError, ValueError, TypeError, AttributeError):
         return None  # parameters this rule does not know (another JAX version): not row-wise
-    if in_axes is None or len(in_axes) != len(eqn.invars):
+    if axes is None or len(axes) != len(eqn.invars):
         return None
-    for v, k in zip(eqn.invars, in_axes, strict=True):
+    for v, k in zip(eqn.invars, axes, strict=True):
         if k is not None and (not _jc.is_var(v) or k >= len(_shape(v))):
             return None
-    return in_axes
+    return axes
 
 
 # Per equation (by id) of a tail: (input axes, output axes), for run_tail.
@@ -267,17 +268,17 @@ def _inner_axes(jaxpr, out_axes: list) -> tuple[list, Axes] | None:
         if all(o is None for o in outs):
             if eqn.effects:
                 return None
-            in_axes = [None] * len(eqn.invars)  # shared by every row: runs unchanged
+            ins = [None] * len(eqn.invars)  # shared by every row: runs unchanged
         else:
-            in_axes = _in_axes(eqn, outs)
-            if in_axes is None:
+            ins = in_axes(eqn, outs)
+            if ins is None:
                 return None
             if eqn.primitive.name in _CALLS:
                 axes.update(_call_axes(eqn, outs))
-        for v, k in zip(eqn.invars, in_axes, strict=True):
+        for v, k in zip(eqn.invars, ins, strict=True):
             if _jc.is_var(v) and required.setdefault(v, k) != k:
                 return None
-        axes[id(eqn)] = (in_axes, outs)
+        axes[id(eqn)] = (ins, outs)
     return [required.get(v) for v in jaxpr.invars], axes
 
 
@@ -297,6 +298,7 @@ class Tail:
       row_bytes: the bytes of one of its rows.
       stopped: ``(primitive, var)`` pairs where the walk back had to stop: the split inputs that
         are produced by an equation that is not row-wise.
+      total_bytes: the bytes of all the tail's intermediates.
     """
 
     reduction: int
@@ -308,6 +310,7 @@ class Tail:
     largest: tuple[Any, int]
     row_bytes: int
     stopped: tuple[tuple[str, Any], ...]
+    total_bytes: int = 0
 
 
 def dead(jaxpr) -> set[int]:
@@ -330,7 +333,7 @@ def reductions(jaxpr) -> list[int]:
         if eqn.primitive.name != "reduce_sum" or not _jc.is_var(eqn.invars[0]):
             continue
         v = eqn.outvars[0]
-        if _shape(v) == () and np.issubdtype(v.aval.dtype, np.inexact) and _shape(eqn.invars[0]):
+        if _shape(v) == () and jnp.issubdtype(v.aval.dtype, jnp.inexact) and _shape(eqn.invars[0]):
             out.append(i)
     return out
 
@@ -359,26 +362,25 @@ def find_tail(jaxpr, reduction: int, axis: int) -> Tail:
             # A shared value's transpose or reshape (``embedding.T``, a LayerNorm scale as
             # [1, 1, D]) joins the tail: its gradient is then the original's, and XLA folds the
             # layout change into its use instead of a copy that lives through the loop.
-            in_axes = [None] * len(eqn.invars)
+            ins = [None] * len(eqn.invars)
         elif any(o is None for o in outs):
             continue  # used as a parameter: computed before the tail
         else:
-            in_axes = None if "unused" in outs else _in_axes(eqn, outs)
-        conflict = in_axes is not None and any(
-            _jc.is_var(v) and required.get(v, k) != k
-            for v, k in zip(eqn.invars, in_axes, strict=True)
+            ins = None if "unused" in outs else in_axes(eqn, outs)
+        conflict = ins is not None and any(
+            _jc.is_var(v) and required.get(v, k) != k for v, k in zip(eqn.invars, ins, strict=True)
         )
-        if in_axes is None or conflict:
+        if ins is None or conflict:
             for v in eqn.outvars:
                 stops.setdefault(v, eqn.primitive.name)
             continue
-        for v, k in zip(eqn.invars, in_axes, strict=True):
+        for v, k in zip(eqn.invars, ins, strict=True):
             if _jc.is_var(v):
                 required[v] = k
-        members[i] = (in_axes, outs)
+        members[i] = (ins, outs)
         if eqn.primitive.name in _CALLS:
             axes.update(_call_axes(eqn, outs))
-        axes[id(eqn)] = (in_axes, outs)
+        axes[id(eqn)] = (ins, outs)
 
     # Close the set: an intermediate used outside the tail must exist in full, so its producer
     # (and whatever in the tail only feeds it) leaves. Dead equations (``_ = sign z`` in
@@ -413,8 +415,8 @@ def find_tail(jaxpr, reduction: int, axis: int) -> Tail:
     split: dict[Any, int] = {}
     params: dict[Any, None] = {}
     for i in sorted(inside):
-        in_axes = members[i][0] if i in members else [axis]
-        for v, k in zip(eqns[i].invars, in_axes, strict=True):
+        ins = members[i][0] if i in members else [axis]
+        for v, k in zip(eqns[i].invars, ins, strict=True):
             if not _jc.is_var(v) or v in produced:
                 continue
             if k is None:
@@ -441,6 +443,7 @@ def find_tail(jaxpr, reduction: int, axis: int) -> Tail:
         largest,
         row_bytes,
         stopped,
+        sum(b for _, b in sizes),
     )
 
 
@@ -450,7 +453,7 @@ def _resize(shape: Sequence[int], axis: int, rows: int) -> tuple:
     return tuple(shape)
 
 
-def _rewrite(eqn, out_axes: list, rows: int) -> dict:
+def rewrite(eqn, out_axes: list, rows: int) -> dict:
     """``eqn``'s parameters with the rows' dimension of every spelled shape set to ``rows``."""
     p = dict(eqn.params)
     name = eqn.primitive.name
@@ -469,7 +472,7 @@ def _rewrite(eqn, out_axes: list, rows: int) -> dict:
     return p
 
 
-def _eval(jaxpr, consts: Sequence, args: Sequence, axes: Axes, rows: int) -> list:
+def _eval(jaxpr, consts: Sequence, args: Sequence, axes: Axes, rows: int, outer=None) -> list:
     env: dict[Any, Any] = {}
 
     def read(v):
@@ -490,9 +493,21 @@ def _eval(jaxpr, consts: Sequence, args: Sequence, axes: Axes, rows: int) -> lis
             if all(a is None for a in out_axes):  # shared by every row: runs as written
                 outs = _jc.jaxpr_as_fun(closed)(*invals)
             else:
-                outs = _eval(_jc.open_jaxpr(closed), _jc.jaxpr_consts(closed), invals, axes, rows)
+                info = (
+                    eqn.source_info
+                    if outer is None or _jc.summarize_source(eqn.source_info)
+                    else outer
+                )
+                sub = _jc.open_jaxpr(closed)
+                outs = _eval(sub, _jc.jaxpr_consts(closed), invals, axes, rows, info)
         else:
-            outs = eqn.primitive.bind(*invals, **_rewrite(eqn, out_axes, rows))
+            # Kept, so that a trace of the tail points at the loss (inside a library's jit: at
+            # the library's call).
+            info = eqn.source_info
+            if outer is not None and not _jc.summarize_source(info):
+                info = outer
+            with _siu.user_context(info.traceback, name_stack=info.name_stack):
+                outs = eqn.primitive.bind(*invals, **rewrite(eqn, out_axes, rows))
             if not eqn.primitive.multiple_results:
                 outs = [outs]
         for v, x in zip(eqn.outvars, outs, strict=True):

@@ -1,0 +1,1294 @@
+"""Splitting a row-wise tail along a second axis: the columns of a large shared weight.
+
+A row-wise tail (:mod:`jaxmem._src.rowwise`) often multiplies its rows by a large weight shared
+by every row (``logits = x @ w``, ``w`` of shape ``[D, V]``) and then reduces each row over the
+weight's columns: a softmax's maximum and sum, the logit at the label. Split into chunks of
+rows only, each chunk still creates ``[rows, V]`` blocks and a whole ``[D, V]`` gradient of the
+weight. This module finds when such a tail can also run in tiles of columns, and runs one
+chunk of rows that way:
+
+1. :func:`plan` labels the *column axis* of every value of the tail (the axis that comes from
+   the weight's columns, followed through the same per-primitive rules as the rows), and checks
+   that every use of a value with that axis is either column-wise itself or a *column
+   reduction* that splits exactly into per-tile parts: a ``reduce_sum``, ``reduce_max`` or
+   ``reduce_min`` over the columns, the ``take_along_axis`` gather of one column per row (the
+   label's logit), or a ``dot_general`` that contracts the columns with another column-wise
+   value (a second matmul).
+2. Values computed *from* column reductions but used again along the columns (``z - max(z)``
+   in a log-softmax, ``exp`` of it) are written as sums of terms ``coef * exp(expo - shift) *
+   body``: ``coef`` and ``shift`` per row (computed after the reductions), ``expo`` and
+   ``body`` per column and free of any reduction (computed tile by tile). A reduction of such a
+   value becomes per-tile reductions of the bodies: ``sum(z - c) = sum(z) - V * c``, and
+   ``sum(exp(z - c))`` is carried as a running maximum ``m`` and ``sum(exp(z - m))``, rescaled
+   when ``m`` grows (the online log-sum-exp of Milakov and Gimelshein), then multiplied by
+   ``exp(m - c)``. Anything else (a reduction-dependent value under a ``log``, a ``sort``,
+   a cumulative sum along the columns, ...) refuses the split, with the reason.
+3. :class:`ColumnPlan` runs a chunk of rows as: the part before the column reductions (``pre``),
+   a forward sweep over column tiles that accumulates the reductions, the part after them
+   (``post``), and, for the gradient, a backward sweep that recomputes each tile and pulls the
+   cotangents of the reductions back into it: each tile's share of the weight's gradient is
+   added in place into the caller's buffer. Nothing of size ``[rows, V]`` exists, and no
+   ``[D, V]`` array besides that buffer.
+
+Values and gradients equal the tail's as written up to float rounding (sums run tile by tile).
+
+References:
+  Milakov and Gimelshein, "Online normalizer calculation for softmax", 2018
+  (arXiv:1805.02867). Wijmans et al., "Cut Your Losses in Large-Vocabulary Language Models",
+  2024 (arXiv:2411.09009): the cross-entropy of an LM head in tiles of tokens and vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import source_info_util as _siu
+
+from jaxmem._src import jax_compat as _jc
+from jaxmem._src import rowwise as _rw
+
+_MAX_TERMS = 16
+_ONE = ("one",)
+
+
+class Refused(Exception):
+    """The tail cannot be split along its columns; the message says why."""
+
+
+def _shape(v) -> tuple:
+    return tuple(v.aval.shape)
+
+
+def _where(eqn) -> str:
+    return _jc.summarize_source(eqn.source_info)
+
+
+def _type(v) -> str:
+    return f"{np.dtype(v.aval.dtype).name}{list(_shape(v))}".replace(" ", "")
+
+
+# ------------------------------------------------------------------------------------------
+# The tail of one chunk of rows as a flat jaxpr.
+
+
+def _inline(jaxpr, consts: Sequence, args: Sequence, outer=None) -> list:
+    env: dict[Any, Any] = {}
+
+    def read(v):
+        return env[v] if _jc.is_var(v) else v.val
+
+    env.update(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        subs = [p for p in eqn.params.values() if _jc.is_jaxpr(p)]
+        if eqn.primitive.name in _jc.CALL_PRIMITIVES and len(subs) == 1:
+            (sub,) = subs
+            closed = sub if _jc.is_closed_jaxpr(sub) else _jc.closed_jaxpr(sub, [])
+            info = (
+                eqn.source_info if outer is None or _jc.summarize_source(eqn.source_info) else outer
+            )
+            outs = _inline(_jc.open_jaxpr(closed), _jc.jaxpr_consts(closed), invals, info)
+        else:
+            params = eqn.primitive.get_bind_params(eqn.params)
+            info = eqn.source_info
+            if outer is not None and not _jc.summarize_source(info):
+                info = outer  # inside a library's jit: say where the library was called
+            with _siu.user_context(info.traceback, name_stack=info.name_stack):
+                outs = eqn.primitive.bind(*invals, **params)
+            if not eqn.primitive.multiple_results:
+                outs = [outs]
+        for v, x in zip(eqn.outvars, outs, strict=True):
+            if not _jc.is_drop_var(v):
+                env[v] = x
+    return [read(v) for v in jaxpr.outvars]
+
+
+def trace_tail(jaxpr, tail: _rw.Tail, rows: int):
+    """The closed, flat jaxpr of ``tail`` on ``rows`` rows: inputs ``tail.split`` (``rows``
+    rows along their axes) then ``tail.params``; output the tail's scalar. Calls (``jit``)
+    are inlined, source locations kept."""
+    split = [jax.ShapeDtypeStruct(_resize(_shape(v), k, rows), v.aval.dtype) for v, k in tail.split]
+    params = [jax.ShapeDtypeStruct(_shape(v), v.aval.dtype) for v in tail.params]
+    n = len(split)
+
+    def run(*args):
+        return _rw.run_tail(jaxpr, tail, rows, args[:n], args[n:])
+
+    closed = jax.make_jaxpr(run)(*split, *params)
+    structs = [jax.ShapeDtypeStruct(_shape(v), v.aval.dtype) for v in closed.jaxpr.invars]
+    consts = _jc.jaxpr_consts(closed)
+    return jax.make_jaxpr(lambda *a: _inline(_jc.open_jaxpr(closed), consts, a))(*structs)
+
+
+def _resize(shape: Sequence[int], axis: int, size: int) -> tuple:
+    out = list(shape)
+    out[axis] = size
+    return tuple(out)
+
+
+def _live(jaxpr) -> list[bool]:
+    live = {v for v in jaxpr.outvars if _jc.is_var(v)}
+    keep = [False] * len(jaxpr.eqns)
+    for i in range(len(jaxpr.eqns) - 1, -1, -1):
+        eqn = jaxpr.eqns[i]
+        if eqn.effects or any(v in live for v in eqn.outvars):
+            keep[i] = True
+            live.update(v for v in eqn.invars if _jc.is_var(v))
+    return keep
+
+
+# ------------------------------------------------------------------------------------------
+# Labels: the column axis of every value, and the column reductions.
+
+
+@dataclasses.dataclass
+class _Labels:
+    axis: dict  # var -> its column axis
+    size: int
+    reductions: dict  # eqn index -> kind
+    source: str
+
+
+def _forward_axis(eqn, var, a):
+    """The output axis of ``eqn`` that carries column axis ``a`` of its input ``var``."""
+    if len(eqn.outvars) != 1:
+        return None
+    found = []
+    for b in range(len(_shape(eqn.outvars[0]))):
+        in_axes = _rw.in_axes(eqn, [b])
+        if in_axes is None:
+            continue
+        if all(k == a for u, k in zip(eqn.invars, in_axes, strict=True) if u is var):
+            found.append(b)
+    return found[0] if len(found) == 1 else None
+
+
+def _take_along(eqn, a) -> bool:
+    """Whether a gather takes entries of its operand's column axis ``a`` by per-row indices,
+    every other axis a batch axis (``jnp.take_along_axis`` along the columns)."""
+    dn = eqn.params["dimension_numbers"]
+    rank = len(_shape(eqn.invars[0]))
+    others = tuple(k for k in range(rank) if k != a)
+    batch = tuple(getattr(dn, "operand_batching_dims", ()))
+    ibatch = tuple(getattr(dn, "start_indices_batching_dims", ()))
+    idx = _shape(eqn.invars[1])
+    return (
+        tuple(dn.start_index_map) == (a,)
+        and tuple(dn.collapsed_slice_dims) == (a,)
+        and tuple(dn.offset_dims) == ()
+        and tuple(sorted(batch)) == others
+        and batch == ibatch
+        and all(s == 1 for s in eqn.params["slice_sizes"])
+        and len(idx) == rank + 1
+        and idx[-1] == 1
+    )
+
+
+def _label(live, producer, consumers, start, a: int, size: int) -> _Labels:
+    """The column axis of every value reached from ``start`` (whose axis ``a`` has ``size``
+    columns): back through producers, forward through consumers, up to the column reductions."""
+    axis: dict[Any, int] = {}
+    reductions: dict[int, str] = {}
+    queue = [(start, a)]
+    while queue:
+        v, k = queue.pop()
+        if v in axis:
+            if axis[v] != k:
+                raise Refused(f"{_type(v)} would carry the columns on two axes")
+            continue
+        if _shape(v)[k] != size:
+            raise Refused(f"{_type(v)} has {_shape(v)[k]} columns, not {size}")
+        axis[v] = k
+        if v in producer:
+            i, eqn = producer[v]
+            name = eqn.primitive.name
+            if name == "iota" and eqn.params["dimension"] == k:
+                pass  # column numbers: offset in each tile
+            else:
+                in_axes = _rw.in_axes(eqn, [k]) if len(eqn.outvars) == 1 else None
+                if in_axes is None:
+                    raise Refused(f"{name} at {_where(eqn)} is not column-wise ({_type(v)})")
+                queue += [(u, j) for u, j in zip(eqn.invars, in_axes, strict=True) if j is not None]
+        for i, eqn, _ in consumers.get(v, ()):
+            if not live[i] or i in reductions:
+                continue
+            b = _forward_axis(eqn, v, k)
+            if b is not None:
+                queue.append((eqn.outvars[0], b))
+                continue
+            reductions[i] = _reduction_kind(eqn, v, k, queue)
+    return _Labels(axis, size, reductions, "")
+
+
+def _reduction_kind(eqn, v, k: int, queue: list) -> str:
+    """Which column reduction a consumer of ``v`` (columns along ``k``) is, or Refused; a
+    matmul's other operand joins the queue with its contracted axis."""
+    name = eqn.primitive.name
+    where = f"{name} at {_where(eqn)}"
+    if name in ("reduce_sum", "reduce_max", "reduce_min") and k in eqn.params["axes"]:
+        if name != "reduce_sum" and not jnp.issubdtype(v.aval.dtype, jnp.floating):
+            raise Refused(f"{where} reduces non-floating values over the columns")
+        return name
+    if name == "gather" and eqn.invars[0] is v and eqn.invars[1] is not v and _take_along(eqn, k):
+        return name
+    if name == "dot_general":
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        lhs, rhs = eqn.invars
+        if lhs is v and k in lc and rhs is not v:
+            queue.append((rhs, rc[list(lc).index(k)]))
+            return name
+        if rhs is v and k in rc and lhs is not v:
+            queue.append((lhs, lc[list(rc).index(k)]))
+            return name
+    raise Refused(f"{where} mixes the columns ({_type(v)}): not a sum, max, min, gather or matmul")
+
+
+# ------------------------------------------------------------------------------------------
+# Expressions: bodies (per column tile, free of column reductions) and per-row coefficients.
+# Tuples, so that equal bodies share one accumulator: ("var", v), ("lit", k), ("one",),
+# ("mul"|"div"|"add", a, b), ("neg"|"exp"|"stop", a), ("select", p, case, a) (``a`` where the
+# selector ``p`` picks ``case``, else 0) and ("bcast", a, shape, dims).
+
+
+def _mul(a, b):
+    if a is None or a == _ONE:
+        return b
+    if b is None or b == _ONE:
+        return a
+    return ("mul", a, b)
+
+
+def _add(a, b):
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return ("add", a, b)
+
+
+def _stop(a):
+    return None if a is None or a == _ONE or a[0] == "lit" else ("stop", a)
+
+
+def _vars(expr, out: set) -> set:
+    if isinstance(expr, tuple) and expr:
+        if expr[0] == "var":
+            out.add(expr[1])
+        else:
+            for x in expr[1:]:
+                _vars(x, out)
+    return out
+
+
+def _evaluate(expr, env: dict, cache: dict):
+    if expr in cache:
+        return cache[expr]
+    op = expr[0]
+    if op == "var":
+        out = env[expr[1]]
+    elif op == "lit":
+        out = expr[1]
+    elif op == "one":
+        out = 1
+    elif op in ("mul", "div", "add"):
+        x, y = _evaluate(expr[1], env, cache), _evaluate(expr[2], env, cache)
+        out = {"mul": jnp.multiply, "div": jnp.divide, "add": jnp.add}[op](x, y)
+    elif op == "neg":
+        out = jnp.negative(_evaluate(expr[1], env, cache))
+    elif op == "exp":
+        out = jnp.exp(_evaluate(expr[1], env, cache))
+    elif op == "stop":
+        out = jax.lax.stop_gradient(_evaluate(expr[1], env, cache))
+    elif op == "select":
+        hit = _picks(_evaluate(expr[1], env, cache), expr[2])
+        x = jnp.asarray(_evaluate(expr[3], env, cache))
+        out = jnp.where(hit, x, jnp.zeros((), x.dtype))
+    elif op == "bcast":
+        out = jax.lax.broadcast_in_dim(_evaluate(expr[1], env, cache), expr[2], expr[3])
+    else:  # pragma: no cover - every constructor is above
+        raise AssertionError(op)
+    cache[expr] = out
+    return out
+
+
+def _picks(pred, case: int):
+    pred = jnp.asarray(pred)
+    if pred.dtype == jnp.bool_:
+        return pred if case == 1 else jnp.logical_not(pred)
+    return pred == case
+
+
+@dataclasses.dataclass(frozen=True)
+class _Term:
+    """``coef * exp(expo - shift) * body``: ``coef`` and ``shift`` per row (None: 1 and 0,
+    computed after the column reductions), ``expo`` and ``body`` per column (computed tile by
+    tile; ``expo`` None: no exponential factor)."""
+
+    body: tuple
+    coef: tuple | None = None
+    expo: tuple | None = None
+    shift: tuple | None = None
+
+
+def _product(f: tuple, g: tuple, where: str) -> tuple:
+    out = tuple(
+        _Term(
+            body=_mul(s.body, t.body),
+            coef=_mul(s.coef, t.coef),
+            expo=_add(s.expo, t.expo),
+            shift=_add(s.shift, t.shift),
+        )
+        for s in f
+        for t in g
+    )
+    if len(out) > _MAX_TERMS:
+        raise Refused(f"{where}: the product has more than {_MAX_TERMS} terms")
+    return out
+
+
+def _negate(f: tuple) -> tuple:
+    return tuple(dataclasses.replace(t, coef=_mul(t.coef, ("lit", -1))) for t in f)
+
+
+def _pure(form: tuple):
+    """The body of a form that is one reduction-free column-wise value, else None."""
+    if len(form) == 1:
+        (t,) = form
+        if t.coef is None and t.expo is None and t.shift is None and t.body != _ONE:
+            return t.body
+    return None
+
+
+def _exp(f: tuple, where: str) -> tuple:
+    if any(t.expo is not None for t in f):
+        raise Refused(f"{where}: exp of a value with an exponential factor")
+    varying = [t for t in f if t.body != _ONE]
+    shift = None
+    for t in f:
+        if t.body == _ONE:
+            shift = _add(shift, ("lit", 1) if t.coef is None else t.coef)
+    shift = None if shift is None else ("neg", shift)
+    if not varying:
+        return (_Term(_ONE, coef=("exp", ("neg", shift))),)
+    if len(varying) > 1:
+        raise Refused(f"{where}: exp of a sum of several column-wise values")
+    (t,) = varying
+    if t.coef is not None and t.coef[0] != "lit":
+        raise Refused(f"{where}: exp of a column-wise value scaled by a reduction's result")
+    return (_Term(_ONE, expo=_mul(t.body, t.coef), shift=shift),)
+
+
+# ------------------------------------------------------------------------------------------
+# Accumulators: one per distinct per-tile reduction.
+
+
+@dataclasses.dataclass
+class _Acc:
+    kind: str  # "sum", "max", "min", "expsum", "gather", "dot"
+    body: tuple
+    shape: tuple  # the reduced operand's shape (all columns)
+    col: int  # its column axis
+    axes: tuple  # reduced axes
+    dtype: Any  # accumulation dtype
+    out_shape: tuple
+    expo: tuple | None = None
+    eqn: Any = None  # the gather / dot_general
+    other: tuple | None = None  # dot_general: the right operand's body, shape, column axis
+    other_shape: tuple = ()
+    other_col: int = 0
+    diff: bool = False  # whether its cotangent can be non-zero
+
+
+def _acc_dtype(dtype):
+    dtype = np.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+        return np.dtype(np.float32)
+    return dtype
+
+
+def _finite(m):
+    return jnp.where(jnp.isfinite(m), m, jnp.zeros((), m.dtype))
+
+
+def _drop_col(x, col: int, rank: int):
+    """A per-row coefficient (size 1 along the columns) as a value of the reduced shape."""
+    x = jnp.asarray(x)
+    return jnp.squeeze(x, col) if x.ndim == rank else x
+
+
+# ------------------------------------------------------------------------------------------
+# The plan.
+
+
+@dataclasses.dataclass
+class ColumnPlan:
+    """How one chunk of rows of a tail runs in tiles of columns (see the module docstring).
+
+    Attributes:
+      size: the number of columns.
+      sliced: ``(input index, column axis)`` of each input of the tail's jaxpr that is split
+        into column tiles (the weight, a bias, per-row targets with a column axis); an index
+        past the inputs is a constant of the jaxpr.
+      reductions: one line per column reduction (what it is and where).
+      source: the matmul the columns come from.
+      col_bytes: bytes of one column of the largest column-wise value (all the chunk's rows).
+      row_bytes: bytes, for all the chunk's rows, of what a tile holds besides its column-wise
+        values: the rows' inputs and their gradients, the values computed before the column
+        reductions, the accumulators and their cotangents.
+    """
+
+    size: int
+    sliced: tuple[tuple[int, int], ...]
+    reductions: tuple[str, ...]
+    source: str
+    col_bytes: int
+    row_bytes: int
+    jaxpr: Any = dataclasses.field(repr=False)
+    consts: list = dataclasses.field(repr=False)
+    axis: dict = dataclasses.field(repr=False)
+    cat: list = dataclasses.field(repr=False)
+    accs: list = dataclasses.field(repr=False)
+    recipes: dict = dataclasses.field(repr=False)
+    pre_out: list = dataclasses.field(repr=False)
+    sweep_free: list = dataclasses.field(repr=False)
+
+    # --- pieces --------------------------------------------------------------------------
+
+    def _base(self) -> dict:
+        return dict(zip(self.jaxpr.constvars, self.consts, strict=True))
+
+    def _pre(self, invals: Sequence) -> dict:
+        j = self.jaxpr
+        env = self._base()
+        env.update((v, x) for v, x in zip(j.invars, invals, strict=True) if x is not None)
+        for eqn, cat in zip(j.eqns, self.cat, strict=True):
+            if cat == "pre":
+                _bind(eqn, env)
+        return env
+
+    def _take_const(self, k: int, offset, width: int):
+        a = dict(self.sliced)[k]
+        return jax.lax.dynamic_slice_in_dim(
+            self.consts[k - len(self.jaxpr.invars)], offset, width, a
+        )
+
+    def _tile(self, free: dict, take: Callable, offset, width: int) -> dict:
+        j = self.jaxpr
+        env = {**self._base(), **free}
+        n = len(j.invars)
+        for k, _ in self.sliced:
+            var = j.invars[k] if k < n else j.constvars[k - n]
+            env[var] = take(k, offset, width) if k < n else self._take_const(k, offset, width)
+        for eqn, cat in zip(j.eqns, self.cat, strict=True):
+            if cat != "sweep":
+                continue
+            (out,) = eqn.outvars
+            a = self.axis[out]
+            params = _rw.rewrite(eqn, [a], width)
+            invals = [env[v] if _jc.is_var(v) else v.val for v in eqn.invars]
+            x = eqn.primitive.bind(*invals, **params)
+            if eqn.primitive.name == "iota" and eqn.params["dimension"] == a:
+                x = x + jnp.asarray(offset, x.dtype)
+            env[out] = x
+        return env
+
+    def _operand(self, body, shape, col, env, cache, tile: _Tile, fill=None):
+        """A body over the tile, broadcast to the reduced operand's shape; with ``fill``, the
+        columns an earlier tile already covered (the overlap of the last tile) hold ``fill``."""
+        x = jnp.broadcast_to(
+            jnp.asarray(_evaluate(body, env, cache)), _resize(shape, col, tile.width)
+        )
+        if fill is None or tile.fresh is None:
+            return x
+        return jnp.where(tile.new(x.shape, col), x, jnp.asarray(fill, x.dtype))
+
+    def _index(self, eqn, env):
+        v = eqn.invars[1]
+        idx = jnp.asarray(env[v] if _jc.is_var(v) else v.val)
+        if eqn.params["mode"] != jax.lax.GatherScatterMode.FILL_OR_DROP:
+            idx = jnp.clip(idx, 0, self.size - 1)
+        return idx
+
+    def _gathered(self, acc: _Acc, body, env, cache, tile: _Tile):
+        x = self._operand(body, acc.shape, acc.col, env, cache, tile)
+        p = acc.eqn.params
+        idx = self._index(acc.eqn, env)
+        local = idx - jnp.asarray(tile.offset, idx.dtype)
+        if tile.fresh is not None:  # columns an earlier tile covered are not taken again
+            local = jnp.where(idx >= tile.fresh, local, -1)
+        if idx.shape[acc.col] == 1:
+            # One column per row: a masked sum over the tile, whose gradient is a select that
+            # XLA fuses with the other per-column cotangents (a gather's is a scatter into a
+            # block of its own).
+            hit = jax.lax.broadcasted_iota(local.dtype, x.shape, acc.col) == local[..., 0]
+            zero = jnp.zeros((), x.dtype)
+            return jnp.sum(jnp.where(hit, x, zero), acc.col, keepdims=True)
+        inside = (local >= 0) & (local < tile.width)
+        out = jax.lax.gather(
+            x,
+            jnp.clip(local, 0, tile.width - 1),
+            p["dimension_numbers"],
+            p["slice_sizes"],
+            indices_are_sorted=p["indices_are_sorted"],
+            unique_indices=p["unique_indices"],
+            mode=jax.lax.GatherScatterMode.CLIP,
+        )
+        return jnp.where(inside[..., 0], out, jnp.zeros((), out.dtype))
+
+    def _dot(self, acc: _Acc, env, cache, tile: _Tile):
+        x = self._operand(acc.body, acc.shape, acc.col, env, cache, tile, fill=0)
+        y = self._operand(acc.other, acc.other_shape, acc.other_col, env, cache, tile)
+        p = acc.eqn.params
+        out = jax.lax.dot_general(
+            x,
+            y,
+            p["dimension_numbers"],
+            precision=p.get("precision"),
+            preferred_element_type=p.get("preferred_element_type"),
+        )
+        return out.astype(acc.dtype)
+
+    def _exp_parts(self, acc: _Acc, env, cache, tile: _Tile):
+        e = self._operand(acc.expo, acc.shape, acc.col, env, cache, tile).astype(acc.dtype)
+        b = self._operand(acc.body, acc.shape, acc.col, env, cache, tile)
+        mask = None
+        if acc.body[0] == "select":  # zero where not selected: the maximum runs over the rest
+            hit = _picks(_evaluate(acc.body[1], env, cache), acc.body[2])
+            mask = jnp.broadcast_to(hit, e.shape)
+        if tile.fresh is not None:
+            new = tile.new(e.shape, acc.col)
+            mask = new if mask is None else mask & new
+        return e, b, mask
+
+    def _exp_terms(self, acc: _Acc, e, b, mask, ref):
+        terms = b * jnp.exp(e - jnp.expand_dims(ref, acc.col))
+        if mask is not None:
+            terms = jnp.where(mask, terms, jnp.zeros((), terms.dtype))
+        return jnp.sum(terms, acc.col, dtype=acc.dtype)
+
+    def _step(self, env: dict, state: list, tile: _Tile) -> list:
+        """The accumulators after one more tile."""
+        cache: dict = {}
+        new = []
+        for acc, st in zip(self.accs, state, strict=True):
+            if acc.kind == "sum":
+                x = self._operand(acc.body, acc.shape, acc.col, env, cache, tile, fill=0)
+                new.append(st + jnp.sum(x, acc.axes, dtype=acc.dtype))
+            elif acc.kind in ("max", "min"):
+                fill = -jnp.inf if acc.kind == "max" else jnp.inf
+                x = self._operand(acc.body, acc.shape, acc.col, env, cache, tile, fill=fill)
+                x = x.astype(acc.dtype)
+                if acc.kind == "min":
+                    new.append(jnp.minimum(st, jnp.min(x, acc.axes)))
+                elif not acc.diff:
+                    new.append(jnp.maximum(st, jnp.max(x, acc.axes)))
+                else:  # the maximum and how many entries reach it (its gradient splits)
+                    best, count = st
+                    top = jnp.maximum(best, jnp.max(x, acc.axes))
+                    ties = jnp.sum(x == jnp.expand_dims(top, acc.axes), acc.axes, dtype=acc.dtype)
+                    new.append((top, jnp.where(best == top, count, 0) + ties))
+            elif acc.kind == "expsum":
+                best, total = st
+                e, b, mask = self._exp_parts(acc, env, cache, tile)
+                low = jnp.asarray(-jnp.inf, acc.dtype)
+                top = jnp.maximum(
+                    best, jnp.max(e if mask is None else jnp.where(mask, e, low), acc.col)
+                )
+                ref = _finite(top)
+                kept = jnp.where(best == low, 0, total * jnp.exp(_finite(best) - ref))
+                new.append((top, kept + self._exp_terms(acc, e, b, mask, ref)))
+            elif acc.kind == "gather":
+                x = self._gathered(acc, acc.body, env, cache, tile)
+                new.append(st + x.astype(acc.dtype))
+            else:
+                new.append(st + self._dot(acc, env, cache, tile))
+        return new
+
+    def _initial(self) -> list:
+        out = []
+        for acc in self.accs:
+            shape = acc.out_shape
+            if acc.kind == "max" and acc.diff:
+                out.append((jnp.full(shape, -jnp.inf, acc.dtype), jnp.zeros(shape, acc.dtype)))
+            elif acc.kind in ("max", "min"):
+                out.append(jnp.full(shape, -jnp.inf if acc.kind == "max" else jnp.inf, acc.dtype))
+            elif acc.kind == "expsum":
+                out.append((jnp.full(shape, -jnp.inf, acc.dtype), jnp.zeros(shape, acc.dtype)))
+            else:
+                out.append(jnp.zeros(shape, acc.dtype))
+        return out
+
+    def _sweep(self, step: Callable, state, width: int):
+        """``step(tile, state)`` over the column tiles, in one loop: when ``width`` does not
+        divide the columns, the last tile ends at the last column and overlaps the one before
+        (its repeated columns are masked out), so that no tile runs outside the loop (a tile
+        after the loop made XLA copy the weight's gradient buffer)."""
+        count = -(-self.size // width)
+        if count == 1:
+            return step(_Tile(0, self.size, None), state)
+        ragged = self.size % width != 0
+
+        def body(j, s):
+            start = j * width
+            offset = jnp.minimum(start, self.size - width) if ragged else start
+            return step(_Tile(offset, width, start if ragged else None), s)
+
+        return jax.lax.fori_loop(0, count, body, state)
+
+    def _forward(self, free: dict, take: Callable, width: int) -> list:
+        def step(tile, state):
+            return self._step(self._tile(free, take, tile.offset, tile.width), state, tile)
+
+        return self._sweep(step, self._initial(), width)
+
+    def _post(self, env: dict, state: list):
+        j = self.jaxpr
+        for i, (eqn, cat) in enumerate(zip(j.eqns, self.cat, strict=True)):
+            if cat == "post":
+                _bind(eqn, env)
+            elif cat == "reduce":
+                (out,) = eqn.outvars
+                env[out] = jnp.asarray(self.recipes[i](env, state)).astype(out.aval.dtype)
+        (out,) = j.outvars
+        return env[out] if _jc.is_var(out) else out.val
+
+    def _partials(self, env: dict, state: list, dstate: list, tile: _Tile):
+        """The sum over the accumulators of <cotangent, this tile's part of it>: its gradient
+        is the tile's share of the gradient."""
+        cache: dict = {}
+        total = jnp.zeros((), jnp.float32)
+        for acc, st, d in zip(self.accs, state, dstate, strict=True):
+            if not acc.diff:
+                continue
+            if acc.kind == "sum":
+                x = self._operand(acc.body, acc.shape, acc.col, env, cache, tile, fill=0)
+                part = jnp.sum(x, acc.axes, dtype=acc.dtype)
+            elif acc.kind == "max":
+                best, count = st
+                x = self._operand(acc.body, acc.shape, acc.col, env, cache, tile, fill=-jnp.inf)
+                hit = x == jnp.expand_dims(best, acc.axes)
+                share = hit.astype(acc.dtype) / jnp.expand_dims(count, acc.axes)
+                x = jnp.where(hit, x, jnp.zeros((), x.dtype))
+                part = jnp.sum(x * jax.lax.stop_gradient(share), acc.axes, dtype=acc.dtype)
+            elif acc.kind == "expsum":
+                e, b, mask = self._exp_parts(acc, env, cache, tile)
+                part = self._exp_terms(acc, e, b, mask, _finite(st[0]))
+            elif acc.kind == "gather":
+                part = self._gathered(acc, acc.body, env, cache, tile)
+            else:
+                part = self._dot(acc, env, cache, tile)
+            total = total + jnp.sum(part.astype(jnp.float32) * d.astype(jnp.float32))
+        return total
+
+    # --- entry points ----------------------------------------------------------------------
+
+    def value(self, invals: Sequence, take: Callable, width: int):
+        """The tail's value on one chunk of rows.
+
+        Args:
+          invals: the values of the jaxpr's inputs (None for the column-split ones).
+          take: ``take(k, offset, width)``: columns ``[offset, offset + width)`` of the
+            column-split input ``k`` (the chunk's rows of it).
+          width: columns per tile (the last tile takes the remainder).
+        """
+        env = self._pre(invals)
+        state = self._forward({v: env[v] for v in self.sweep_free}, take, width)
+        return self._post(env, state)
+
+    def grads(self, invals, diff, take, width: int, bufs: dict, put: Callable):
+        """The value and gradient of the tail on one chunk of rows.
+
+        Args:
+          invals, take, width: as for :meth:`value`.
+          diff: per input, whether to differentiate it.
+          bufs: per differentiable column-split input (by index), the buffer its gradient is
+            added into, tile by tile.
+          put: ``put(k, buf, offset, g)``: ``buf`` with ``g``, the gradient of input ``k``'s
+            tile at ``offset``, added.
+
+        Returns:
+          ``(value, grads, bufs)``: the gradients of the other differentiable inputs (None
+          where not differentiated) and the updated buffers.
+        """
+        split = {k for k, _ in self.sliced}
+        wrt = [k for k, d in enumerate(diff) if d and k not in split]
+        outs_f = [v for v in self.pre_out if _is_float(v)]
+        outs_i = [v for v in self.pre_out if not _is_float(v)]
+
+        def pre(xs):
+            vals = list(invals)
+            for k, x in zip(wrt, xs, strict=True):
+                vals[k] = x
+            env = self._pre(vals)
+            return [env[v] for v in outs_f], [env[v] for v in outs_i]
+
+        fvals, pre_vjp, ivals = jax.vjp(pre, [invals[k] for k in wrt], has_aux=True)
+        env0 = {
+            **self._base(),
+            **dict(zip(outs_f, fvals, strict=True)),
+            **dict(zip(outs_i, ivals, strict=True)),
+        }
+        free = {v: env0[v] for v in self.sweep_free}
+        state = self._forward(free, take, width)
+        live = [i for i, a in enumerate(self.accs) if a.diff]
+
+        def post(parts, vals):
+            st = list(state)
+            for i, p in zip(live, parts, strict=True):
+                st[i] = _inject(self.accs[i], st[i], p)
+            env = {**env0, **dict(zip(outs_f, vals, strict=True))}
+            return self._post(env, st)
+
+        parts = [_part(self.accs[i], state[i]) for i in live]
+        value, post_vjp = jax.vjp(post, parts, fvals)
+        dparts, dvals = post_vjp(jnp.ones((), value.dtype))
+        dstate: list = [None] * len(self.accs)
+        for i, d in zip(live, dparts, strict=True):
+            dstate[i] = d
+
+        fvars = [v for v in self.sweep_free if _is_float(v)]
+        cols = [k for k, _ in self.sliced if k < len(diff) and diff[k]]
+
+        def tile_grads(tile, carry):
+            dfree, bufs = carry
+            offset, w = tile.offset, tile.width
+
+            def part(tiles, fv):
+                env = {**free, **dict(zip(fvars, fv, strict=True))}
+
+                def take_d(k, o, width):
+                    return tiles[cols.index(k)] if k in cols else take(k, o, width)
+
+                tenv = self._tile(env, take_d, offset, w)
+                return self._partials(tenv, state, dstate, tile)
+
+            tiles = [take(k, offset, w) for k in cols]
+            gt, gf = jax.grad(part, argnums=(0, 1))(tiles, [free[v] for v in fvars])
+            bufs = dict(bufs)
+            for k, g in zip(cols, gt, strict=True):
+                bufs[k] = put(k, bufs[k], offset, g)
+            dfree = [a + g.astype(a.dtype) for a, g in zip(dfree, gf, strict=True)]
+            return dfree, bufs
+
+        dfree0 = [jnp.zeros(_shape(v), _acc_dtype(v.aval.dtype)) for v in fvars]
+        dfree, bufs = self._sweep(tile_grads, (dfree0, dict(bufs)), width)
+        douts = [
+            d + dfree[fvars.index(v)].astype(d.dtype) if v in fvars else d
+            for v, d in zip(outs_f, dvals, strict=True)
+        ]
+        (gin,) = pre_vjp(douts)
+        grads: list = [None] * len(invals)
+        for k, g in zip(wrt, gin, strict=True):
+            grads[k] = g
+        return value, grads, bufs
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tile:
+    """Columns ``[offset, offset + width)``; ``fresh`` (or None: all) the first column that no
+    earlier tile covered."""
+
+    offset: Any
+    width: int
+    fresh: Any
+
+    def new(self, shape, col: int):
+        """Where the columns of a value of ``shape`` (columns along ``col``) are new."""
+        cols = jax.lax.broadcasted_iota(jnp.int32, shape, col) + jnp.asarray(self.offset, jnp.int32)
+        return cols >= self.fresh
+
+
+def _part(acc: _Acc, st):
+    """The differentiable part of an accumulator's state."""
+    if acc.kind == "expsum" or (acc.kind == "max" and isinstance(st, tuple)):
+        return st[1] if acc.kind == "expsum" else st[0]
+    return st
+
+
+def _inject(acc: _Acc, st, p):
+    if acc.kind == "expsum":
+        return (jax.lax.stop_gradient(st[0]), p)
+    if acc.kind == "max" and isinstance(st, tuple):
+        return (p, jax.lax.stop_gradient(st[1]))
+    return p
+
+
+def _is_float(v) -> bool:
+    return jnp.issubdtype(v.aval.dtype, jnp.inexact)
+
+
+def _bind(eqn, env: dict):
+    invals = [env[v] if _jc.is_var(v) else v.val for v in eqn.invars]
+    outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+    if not eqn.primitive.multiple_results:
+        outs = [outs]
+    for v, x in zip(eqn.outvars, outs, strict=True):
+        if not _jc.is_drop_var(v):
+            env[v] = x
+
+
+# ------------------------------------------------------------------------------------------
+# Building the plan.
+
+
+def plan(closed, n_split: int) -> ColumnPlan:
+    """The column plan of a tail's flat jaxpr (:func:`trace_tail`), or :class:`Refused`.
+
+    The columns come from a ``dot_general`` whose output axis is a free axis of an operand
+    that does not depend on the rows (the shared weight); of several candidates, the one whose
+    column-wise values are largest wins.
+
+    Args:
+      closed: the closed flat jaxpr of the tail on a chunk of rows.
+      n_split: how many of its first inputs carry the rows (the others are shared).
+
+    Raises:
+      Refused: no candidate, or every candidate meets a use of the columns that does not
+        split into tiles (the message gives the reasons).
+    """
+    j = _jc.open_jaxpr(closed)
+    live = _live(j)
+    producer = {v: (i, e) for i, e in enumerate(j.eqns) if live[i] for v in e.outvars}
+    consumers: dict[Any, list] = {}
+    rowdep = set(j.invars[:n_split])
+    for i, e in enumerate(j.eqns):
+        if not live[i]:
+            continue
+        for p, v in enumerate(e.invars):
+            if _jc.is_var(v):
+                consumers.setdefault(v, []).append((i, e, p))
+        if any(_jc.is_var(v) and v in rowdep for v in e.invars):
+            rowdep.update(e.outvars)
+    best, best_bytes, reasons, seen = None, -1, [], set()
+    for i, e in enumerate(j.eqns):
+        if not live[i] or e.primitive.name != "dot_general":
+            continue
+        (out,) = e.outvars
+        for b in range(len(_shape(out))):
+            in_axes = _rw.in_axes(e, [b])
+            carriers = [
+                (u, k) for u, k in zip(e.invars, in_axes or [], strict=True) if k is not None
+            ]
+            if len(carriers) != 1 or carriers[0][0] in rowdep or _shape(out)[b] < 2:
+                continue
+            if (out, b) in seen:
+                continue
+            source = f"dot_general at {_where(e)} ({_type(out)}, axis {b})"
+            try:
+                labels = _label(live, producer, consumers, out, b, _shape(out)[b])
+            except Refused as r:
+                reasons.append(f"the columns of {source}: {r}")
+                continue
+            seen.update(labels.axis.items())
+            labels.source = source
+            size = max((_jc.nbytes(v.aval) for v in labels.axis if v in producer), default=0)
+            if size > best_bytes:
+                best, best_bytes = labels, size
+    if best is None:
+        raise Refused("; ".join(reasons) or "no matmul by a weight shared by every row")
+    return _build(closed, live, best, producer, n_split)
+
+
+def _diff_live(j, live) -> set:
+    out = {v for v in j.outvars if _jc.is_var(v)}
+    for i in range(len(j.eqns) - 1, -1, -1):
+        e = j.eqns[i]
+        if not live[i] or e.primitive.name == "stop_gradient":
+            continue
+        if any(v in out for v in e.outvars):
+            out.update(v for v in e.invars if _jc.is_var(v) and _is_float(v))
+    return out
+
+
+_KINDS = {
+    "sum": "sum",
+    "max": "maximum",
+    "min": "minimum",
+    "expsum": "sum of exponentials (online log-sum-exp)",
+    "gather": "one column per row (take_along_axis)",
+    "dot": "matmul contracting the columns",
+}
+
+
+def _categories(j, live, labels: _Labels) -> tuple[list, set]:
+    """Per equation where it runs: "pre" (before the column reductions, whole), "sweep"
+    (column-wise, free of reductions: tile by tile), "reduce" (a column reduction: from the
+    accumulators), "form" (column-wise, computed from reductions: rewritten, never run),
+    "post" (after the reductions, whole) or "dead"; and the values computed from reductions."""
+    inner: set = set()
+    cat = []
+    for i, e in enumerate(j.eqns):
+        if not live[i]:
+            cat.append("dead")
+            continue
+        if i in labels.reductions:
+            cat.append("reduce")
+            inner.update(e.outvars)
+            continue
+        dep = any(_jc.is_var(v) and v in inner for v in e.invars)
+        if dep:
+            inner.update(e.outvars)
+        col = any(v in labels.axis for v in e.outvars)
+        cat.append(("form" if dep else "sweep") if col else ("post" if dep else "pre"))
+    return cat, inner
+
+
+@dataclasses.dataclass
+class _Reductions:
+    """The accumulators, one recipe per column reduction, what the recipes read, and which
+    reductions read each accumulator."""
+
+    accs: list
+    recipes: dict
+    reads: set
+    users: dict
+
+
+def _reductions(j, cat: list, inner: set, labels: _Labels) -> _Reductions:
+    """Rewrites the values computed from reductions as forms and each column reduction as a
+    recipe over accumulators (equal per-tile reductions share one)."""
+    axis = labels.axis
+    forms: dict[Any, tuple] = {}
+
+    def form(v) -> tuple:
+        if not _jc.is_var(v):
+            return (_Term(_ONE, coef=("lit", v.val)),)
+        if v in axis:
+            return forms[v] if v in inner else (_Term(("var", v)),)
+        return (_Term(_ONE, coef=("var", v)),)
+
+    def selector(v, where):
+        if not _jc.is_var(v) or v in inner:
+            raise Refused(f"{where}: selects by a value computed from a column reduction")
+        return ("var", v)
+
+    out = _Reductions([], {}, set(), {})
+    index: dict = {}
+
+    def acc(key, make) -> int:
+        if key not in index:
+            index[key] = len(out.accs)
+            out.accs.append(make())
+        return index[key]
+
+    for i, e in enumerate(j.eqns):
+        where = f"{e.primitive.name} at {_where(e)}"
+        if cat[i] == "form":
+            forms[e.outvars[0]] = _form_rule(e, [form(v) for v in e.invars], where, selector, axis)
+        elif cat[i] == "reduce":
+            recipe, used, reads = _reduce_rule(e, form, axis, labels.size, acc, where)
+            out.recipes[i] = recipe
+            out.reads |= reads
+            for k in used:
+                out.users.setdefault(k, []).append(i)
+    return out
+
+
+def _build(closed, live, labels: _Labels, producer, n_split: int) -> ColumnPlan:
+    j = _jc.open_jaxpr(closed)
+    axis, size = labels.axis, labels.size
+    cat, inner = _categories(j, live, labels)
+    red = _reductions(j, cat, inner, labels)
+    dl = _diff_live(j, live)
+    for k, eqns in red.users.items():
+        a = red.accs[k]
+        a.diff = jnp.issubdtype(a.dtype, jnp.inexact) and any(
+            j.eqns[i].outvars[0] in dl for i in eqns
+        )
+
+    # The values computed before the reductions that the sweeps and the part after them read.
+    sweep_refs: set = set()
+    post_refs = set(red.reads)
+    for i, e in enumerate(j.eqns):
+        refs = (
+            sweep_refs if cat[i] == "sweep" else post_refs if cat[i] in ("post", "reduce") else None
+        )
+        if refs is not None:
+            refs.update(v for v in e.invars if _jc.is_var(v))
+    for a in red.accs:
+        for expr in (a.body, a.expo, a.other):
+            _vars(expr, sweep_refs)
+        if a.kind == "gather" and _jc.is_var(a.eqn.invars[1]):
+            sweep_refs.add(a.eqn.invars[1])
+    late = {v for i, e in enumerate(j.eqns) if cat[i] != "pre" for v in e.outvars}
+    outer = [
+        v
+        for v in dict.fromkeys([*j.invars, *(v for e in j.eqns for v in e.outvars)])
+        if v not in axis and v not in late
+    ]
+    sweep_free = [v for v in outer if v in sweep_refs]
+    pre_out = [v for v in outer if v in sweep_refs or v in post_refs]
+
+    col_bytes = max(
+        (math.ceil(_jc.nbytes(v.aval) / size) for v in axis if v in producer), default=0
+    )
+    held = dict.fromkeys(sweep_free + [v for v in j.invars[:n_split] if v not in axis])
+    row_bytes = sum(_jc.nbytes(v.aval) * (2 if _is_float(v) else 1) for v in held)
+    row_bytes += sum(2 * math.prod(a.out_shape) * np.dtype(a.dtype).itemsize for a in red.accs)
+    reductions = tuple(
+        f"{j.eqns[i].primitive.name} at {_where(j.eqns[i])}: "
+        + ", ".join(
+            dict.fromkeys(_KINDS[red.accs[k].kind] for k, es in red.users.items() if i in es)
+        )
+        for i in sorted(red.recipes)
+    )
+    sources = list(j.invars) + list(j.constvars)
+    return ColumnPlan(
+        size=size,
+        sliced=tuple((k, axis[v]) for k, v in enumerate(sources) if v in axis),
+        reductions=reductions,
+        source=labels.source,
+        col_bytes=col_bytes,
+        row_bytes=row_bytes,
+        jaxpr=j,
+        consts=_jc.jaxpr_consts(closed),
+        axis=axis,
+        cat=cat,
+        accs=red.accs,
+        recipes=red.recipes,
+        pre_out=pre_out,
+        sweep_free=sweep_free,
+    )
+
+
+def _form_rule(e, ins: list, where: str, selector, axis) -> tuple:
+    name = e.primitive.name
+    (out,) = e.outvars
+    if name in ("add", "add_any"):
+        return ins[0] + ins[1]
+    if name == "sub":
+        return ins[0] + _negate(ins[1])
+    if name == "neg":
+        return _negate(ins[0])
+    if name == "mul":
+        return _product(ins[0], ins[1], where)
+    if name in ("square",) or (name == "integer_pow" and e.params["y"] == 2):
+        return _product(ins[0], ins[0], where)
+    if name == "div":
+        (den,) = ins[1] if len(ins[1]) == 1 else (None,)
+        if den is not None and den.body == _ONE and den.expo is None:
+            inv = ("div", ("lit", 1), ("lit", 1) if den.coef is None else den.coef)
+            return tuple(dataclasses.replace(t, coef=_mul(t.coef, inv)) for t in ins[0])
+        if den is not None and _pure(ins[1]) is not None:
+            return tuple(dataclasses.replace(t, body=("div", t.body, den.body)) for t in ins[0])
+        raise Refused(f"{where}: divides by a column-wise value computed from a reduction")
+    if name == "exp":
+        return _exp(ins[0], where)
+    if name == "select_n":
+        p = selector(e.invars[0], where)
+        return tuple(
+            dataclasses.replace(t, body=("select", p, case, t.body))
+            for case, f in enumerate(ins[1:])
+            for t in f
+        )
+    if name == "stop_gradient":
+        return tuple(
+            _Term(
+                body=t.body if t.body == _ONE else ("stop", t.body),
+                coef=_stop(t.coef),
+                expo=_stop(t.expo),
+                shift=_stop(t.shift),
+            )
+            for t in ins[0]
+        )
+    if name in ("copy", "copy_p") or (
+        name == "convert_element_type" and e.invars[0].aval.dtype == out.aval.dtype
+    ):
+        return ins[0]
+    if name == "broadcast_in_dim" and e.invars[0] not in axis:
+        a = axis[out]
+        shape = _resize(_shape(out), a, 1)
+        return (
+            _Term(
+                _ONE, coef=("bcast", ("var", e.invars[0]), shape, e.params["broadcast_dimensions"])
+            ),
+        )
+    raise Refused(f"{where} of a column-wise value computed from a column reduction ({_type(out)})")
+
+
+def _reduce_rule(e, form, axis, size: int, acc, where: str):
+    """``(recipe, accumulators used, variables the recipe reads)`` of a column reduction."""
+    name = e.primitive.name
+    (out,) = e.outvars
+    reads: set = set()
+    if name == "dot_general":
+        lhs, rhs = e.invars
+        bl, br = _pure(form(lhs)), _pure(form(rhs))
+        if bl is None or br is None:
+            raise Refused(
+                f"{where}: a matmul over the columns of a value computed from a reduction"
+            )
+        dtype = _acc_dtype(out.aval.dtype)
+        a = acc(
+            ("dot", bl, br, id(e)),
+            lambda: _Acc(
+                "dot",
+                bl,
+                _shape(lhs),
+                axis[lhs],
+                (),
+                dtype,
+                _shape(out),
+                eqn=e,
+                other=br,
+                other_shape=_shape(rhs),
+                other_col=axis[rhs],
+            ),
+        )
+        return (lambda env, st: st[a]), [a], reads
+    v = e.invars[0]
+    col, rank, f = axis[v], len(_shape(v)), form(v)
+    if name == "gather":
+        return _gather_rule(e, f, col, size, acc, where)
+    axes = tuple(e.params["axes"])
+    dtype = _acc_dtype(v.aval.dtype)
+    reduced = tuple(s for k, s in enumerate(_shape(v)) if k not in axes)
+    # A value computed from a reduction is reduced over the columns tile by tile, then over
+    # its other reduced axes (``rest``, numbered without the columns) after its per-row
+    # coefficients are applied.
+    percol = tuple(s for k, s in enumerate(_shape(v)) if k != col)
+    rest = tuple(k if k < col else k - 1 for k in axes if k != col)
+
+    def finish(x, red):
+        x = jnp.broadcast_to(x, percol)
+        return red(x, rest) if rest else x
+
+    body = _pure(f)
+    if name in ("reduce_max", "reduce_min"):
+        kind = "max" if name == "reduce_max" else "min"
+        varying = [t for t in f if t.body != _ONE or t.expo is not None]
+        const = [t.coef for t in f if t.body == _ONE and t.expo is None]
+        body = _pure(tuple(varying))
+        if body is None:
+            raise Refused(f"{where}: the {kind}imum of a value computed from a reduction")
+        over = (col,) if const else axes
+        out = percol if const else reduced
+        a = acc(
+            (kind, body, _shape(v), over),
+            lambda: _Acc(kind, body, _shape(v), col, over, dtype, out),
+        )
+        for c in const:
+            _vars(c, reads)
+
+        def recipe(env, st):
+            cache: dict = {}
+            x = st[a][0] if isinstance(st[a], tuple) else st[a]
+            if not const:
+                return x
+            for c in const:
+                x = x + _drop_col(_evaluate(c, env, cache), col, rank)
+            return finish(x, jnp.max if kind == "max" else jnp.min)
+
+        return recipe, [a], reads
+    if body is not None:
+        a = acc(
+            ("sum", body, _shape(v), axes),
+            lambda: _Acc("sum", body, _shape(v), col, axes, dtype, reduced),
+        )
+        return (lambda env, st: st[a]), [a], reads
+    parts = []
+    for t in f:
+        for x in (t.coef, t.shift):
+            _vars(x, reads)
+        if t.expo is None and t.body == _ONE:
+            parts.append(("count", t.coef, None, None))
+        elif t.expo is None:
+            k = acc(
+                ("sum", t.body, _shape(v), (col,)),
+                lambda t=t: _Acc("sum", t.body, _shape(v), col, (col,), dtype, percol),
+            )
+            parts.append(("sum", t.coef, None, k))
+        else:
+            k = acc(
+                ("expsum", t.expo, t.body, _shape(v)),
+                lambda t=t: _Acc(
+                    "expsum",
+                    t.body,
+                    _shape(v),
+                    col,
+                    (col,),
+                    np.result_type(dtype, np.float32),
+                    percol,
+                    expo=t.expo,
+                ),
+            )
+            parts.append(("exp", t.coef, t.shift, k))
+
+    def recipe(env, st):
+        cache: dict = {}
+        total = 0
+        for kind, coef, shift, k in parts:
+            c = 1 if coef is None else _drop_col(_evaluate(coef, env, cache), col, rank)
+            if kind == "count":
+                x = c * size
+            elif kind == "sum":
+                x = c * st[k]
+            else:
+                best, s = st[k]
+                e_ = _finite(jax.lax.stop_gradient(best))
+                if shift is not None:
+                    e_ = e_ - _drop_col(_evaluate(shift, env, cache), col, rank)
+                x = c * s * jnp.exp(e_)
+            total = total + x
+        return finish(total, jnp.sum)
+
+    return recipe, [k for *_, k in parts if k is not None], reads
+
+
+def _gather_rule(e, f, col, size, acc, where):
+    idx, (out,) = e.invars[1], e.outvars
+    operand = e.invars[0]
+    reads: set = set()
+    if _jc.is_var(idx):
+        reads.add(idx)
+    dtype = _acc_dtype(operand.aval.dtype)
+
+    def gathered(body):
+        return acc(
+            ("gather", body, id(e)),
+            lambda: _Acc("gather", body, _shape(operand), col, (col,), dtype, _shape(out), eqn=e),
+        )
+
+    parts = []
+    for t in f:
+        for x in (t.coef, t.shift):
+            _vars(x, reads)
+        if t.expo is None and t.body == _ONE:
+            parts.append((t.coef, None, None, None))
+        elif t.expo is None:
+            parts.append((t.coef, None, None, gathered(t.body)))
+        else:
+            body = None if t.body == _ONE else gathered(t.body)
+            parts.append((t.coef, t.shift, gathered(t.expo), body))
+    p = e.params
+    mode = p["mode"]
+    fill = p.get("fill_value")
+    if fill is None:
+        fill = np.nan if jnp.issubdtype(out.aval.dtype, jnp.inexact) else 0
+
+    def recipe(env, st):
+        cache: dict = {}
+        total = 0
+        for coef, shift, expo, body in parts:
+            c = 1 if coef is None else _evaluate(coef, env, cache)
+            x = c if body is None else c * st[body]
+            if expo is not None:
+                z = st[expo] if shift is None else st[expo] - _evaluate(shift, env, cache)
+                x = x * jnp.exp(z)
+            total = total + x
+        total = jnp.broadcast_to(total, _shape(out))
+        if mode == jax.lax.GatherScatterMode.FILL_OR_DROP:
+            i = jnp.asarray(env[idx] if _jc.is_var(idx) else idx.val)[..., 0]
+            ok = (i >= 0) & (i < size)
+            total = jnp.where(ok, total, jnp.asarray(fill, total.dtype))
+        return total
+
+    used = [k for part in parts for k in part[2:] if k is not None]
+    return recipe, used, reads
