@@ -15,9 +15,11 @@ for ``p`` in ``nothing_saveable`` and ``dots_saveable``, with Flax's remat at it
 ``prevent_cse=True`` and at ``prevent_cse=False`` (what jax advises inside a scan; each is leaner
 on some models), and the bound is ``temp <= 1.02x`` the leaner of the two. (Issue 24 item 2:
 Flax's own Gemma block through ``jaxmem.flax.nnx.scan(policy="nothing")`` above ``nnx.scan``
-over ``nnx.remat``. This block compiles to the same temp as that Block at these sizes:
-16,009,664 B through jaxmem against 15,619,576 B for ``nnx.remat`` at ``prevent_cse=True``,
-1.025x, on jax 0.12.0.1.)
+over ``nnx.remat``. This block compiles to the same temp as that Block at these sizes: 16,009,664
+B through jaxmem against 15,619,576 B for ``nnx.remat`` at ``prevent_cse=True``, 1.025x, on jax
+0.12.0.1: XLA hoisted the rotary sines and cosines of the loop-invariant positions out of
+jaxmem's backward loop and kept them alive through it. jaxmem's backward step now passes such
+residuals through a barrier with the loop-carried cotangent: 15,879,608 B, 1.017x.)
 """
 
 from __future__ import annotations
@@ -164,20 +166,7 @@ def nnx_loss(stack):
 AXES = {"in_axes": (nnx.Carry, 0), "out_axes": nnx.Carry}
 
 
-# Known gap (issue 24, item 2), measured on jax 0.12.0.1: with policy "nothing" the block's RoPE
-# sin/cos of the (loop-invariant) positions are hoisted out of jaxmem's backward loop by XLA and
-# stay live through it (128 KiB at the peak; temp 1.025x nnx.remat's). jax.checkpoint's
-# prevent_cse=True removes it (1.000x) but changes other plans; on jax 0.10.2 the ratio is
-# 1.008x. Strict: the test fails once the gap is closed, so the mark cannot outlive it.
-_NOTHING_GAP = pytest.mark.xfail(
-    condition=jax.__version__.startswith("0.12"),
-    reason="issue 24 item 2: policy='nothing' 1.025x stock remat on jax 0.12 (hoisted RoPE)",
-    strict=True,
-)
-_CASES = [pytest.param(n, marks=_NOTHING_GAP) if n == "nothing" else n for n in POLICIES]
-
-
-@pytest.mark.parametrize("name", _CASES)
+@pytest.mark.parametrize("name", list(POLICIES))
 def test_nnx_gemma_style_stack_policy_not_above_nnx_remat(name):
     policy = POLICIES[name]
     ours = nnx_temp(nnx_loss(lambda f: jn.scan(f, policy=policy, **AXES)))
@@ -230,7 +219,7 @@ def linen_stock(policy, prevent_cse: bool):
     )()
 
 
-@pytest.mark.parametrize("name", _CASES)
+@pytest.mark.parametrize("name", list(POLICIES))
 def test_linen_gemma_style_stack_policy_not_above_nn_remat(name):
     policy = POLICIES[name]
     ours = linen_temp(jl.scan_layers(LinenBlock, LAYERS, policy=policy)())

@@ -555,3 +555,50 @@ def test_unsupported_offload_warns_once_and_saves_on_device(monkeypatch):
     assert not any(r.host for r in first + second)
     assert whats(first)["decoder_layer_input"] == 1
     assert layouts(second) == {tuple(sorted(CARRY)): 1, tuple(sorted(ATTN_OUT)): 1}
+
+
+# ------------------------------------------------------------------------------------------
+# What a remat recomputes from loop invariants stays in jaxmem's backward loop.
+
+
+def _rope_step(positions):
+    """A step whose remat recomputes a table of sines from loop-invariant integer positions."""
+
+    def step(h, w):
+        angles = positions[:, None] * jnp.exp(-jnp.arange(16.0))[None]  # [T, 16] from [T] ints
+        u = jnp.tanh(h @ w) * jnp.sin(angles).sum(-1, keepdims=True)
+        return u + h * jnp.cos(angles).mean(-1, keepdims=True), None
+
+    return step
+
+
+def _backward_barriers(step, h0, ws, policy):
+    loss = lambda h0, ws: jnp.sum(jaxmem.scan(step, h0, ws, policy=policy)[0] ** 2)
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(h0, ws)
+    from jaxmem._src.residuals import iter_eqns  # noqa: PLC0415
+
+    return sum(e.primitive.name == "optimization_barrier" for e in iter_eqns(jaxpr.jaxpr))
+
+
+def test_remat_of_loop_invariants_stays_in_the_backward_loop():
+    """With a policy, the positions (a loop-invariant residual) pass a barrier with the
+    loop-carried cotangent in each backward step: XLA cannot hoist the sines computed from them
+    out of the loop (and keep them alive through it), as jax.checkpoint's prevent_cse keeps
+    them in a stock remat. Without a policy there is no recompute, so no barrier; a float
+    residual read as it is (nothing larger computed from it alone) is not pinned either: the
+    barrier would only copy it into every step. Gradients equal lax.scan's."""
+    r = np.random.default_rng(0)
+    h0 = jnp.asarray(r.standard_normal((64, 8)), jnp.float32)
+    ws = jnp.asarray(r.standard_normal((5, 8, 8)) / 3, jnp.float32)
+    step = _rope_step(jnp.arange(64))
+    assert _backward_barriers(step, h0, ws, "nothing") >= 1
+    assert _backward_barriers(step, h0, ws, None) == 0
+    bias = jnp.asarray(r.standard_normal((64, 8)), jnp.float32)
+    assert _backward_barriers(lambda h, w: (jnp.tanh(h @ w) + bias, None), h0, ws, "nothing") == 0
+
+    def grads(scan, **kw):
+        loss = lambda h0, ws: jnp.sum(scan(step, h0, ws, **kw)[0] ** 2)
+        return jax.grad(loss, argnums=(0, 1))(h0, ws)
+
+    for g, w in zip(grads(jaxmem.scan, policy="nothing"), grads(jax.lax.scan), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(w))))

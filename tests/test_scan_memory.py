@@ -341,23 +341,7 @@ def test_bodies_are_varied():
     assert 20 <= sum(b.prevent_cse for b in with_policy) <= len(with_policy) - 20
 
 
-# Known gap (issue 24, item 2), measured on jax 0.12.0.1: against lax.scan over
-# jax.checkpoint(policy=nothing, prevent_cse=True) this body's jaxmem temp is 2.50x (327,680 B vs
-# 131,072 B); against prevent_cse=False stock is 344,064 B. jaxmem applies policies with
-# prevent_cse=False. Strict: the mark fails once the gap is closed.
-_KNOWN_GAPS = {
-    122: pytest.mark.xfail(
-        condition=jax.__version__.startswith("0.12"),
-        reason="issue 24 item 2: policy with prevent_cse=True stock, 2.50x on jax 0.12",
-        strict=True,
-    )
-}
-
-
-@pytest.mark.parametrize(
-    "seed",
-    [pytest.param(s, marks=_KNOWN_GAPS[s]) if s in _KNOWN_GAPS else s for s in range(N_BODIES)],
-)
+@pytest.mark.parametrize("seed", range(N_BODIES))
 def test_random_body_is_not_above_stock(seed):
     body = draw_body(seed)
     assert_not_above_stock(

@@ -142,6 +142,29 @@ def iter_eqns(jaxpr):
             yield from iter_eqns(sub)
 
 
+def invariant_bytes(jaxpr, invariant: Sequence[bool]) -> int:
+    """Bytes of the values ``jaxpr`` computes from its invariant inputs (and literals) alone, at
+    any call depth (a remat's recompute included): what XLA could hoist out of a loop running
+    ``jaxpr`` as its body, if the inputs marked in ``invariant`` do not change in it."""
+    inv = {v for v, i in zip(jaxpr.invars, invariant, strict=True) if i}
+    inv |= set(jaxpr.constvars)
+    total = 0
+    for eqn in jaxpr.eqns:
+        ins = [not _is_var(v) or v in inv for v in eqn.invars]
+        subs = jc.subjaxprs(eqn)
+        if len(subs) == 1 and len(subs[0].invars) == len(eqn.invars):
+            total += invariant_bytes(subs[0], ins)
+        outs = [v for v in eqn.outvars if _is_var(v)]
+        out_bytes = sum(_nbytes(v.aval) for v in outs)
+        # XLA's loop-invariant code motion leaves size-inflating ops (a broadcast) in the loop,
+        # and so what is computed from them.
+        inflates = out_bytes > sum(_nbytes(v.aval) for v in eqn.invars if _is_var(v))
+        if all(ins) and not eqn.effects and not subs and not inflates:
+            inv.update(outs)
+            total += out_bytes
+    return total
+
+
 def needed_eqns(eqns, targets, available) -> list:
     """The equations (in order) that compute ``targets`` from the variables in ``available``."""
     producer = {}
