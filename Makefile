@@ -57,6 +57,7 @@ test-compat:
 SCRIPT_TESTS = --ignore=tests/test_demo.py --ignore=tests/test_spmd_benchmark.py \
 	--ignore=tests/test_long_rnn_benchmark.py --ignore=tests/test_chunking_benchmark.py \
 	--ignore=tests/test_losses_benchmark.py --ignore=tests/test_reversible_benchmark.py \
+	--ignore=tests/test_peers_benchmark.py \
 	--deselect=tests/test_lm1b.py::test_benchmark_quick \
 	--deselect=tests/test_planner.py::test_heldout_gpt_plans_fit_and_beat_every_fitting_preset
 

@@ -276,6 +276,44 @@ def test_presets_behave_as_jax(scan, ours, theirs):
     assert listing(ours) == listing(theirs)
 
 
+@pytest.mark.parametrize("name", ["nothing", "dots", "dots_saveable", "selective"])
+def test_scan_takes_preset_names(name):
+    """``jaxmem.scan(policy="dots")`` saves what the policy object saves (one resolver)."""
+    args = abstract_args()
+
+    def listing(policy):
+        return sorted(
+            (r.aval.str_short(), r.description)
+            for r in saved_residuals(make_loss(_jaxmem_scan, policy), *args)
+        )
+
+    assert listing(name) == listing(policies.by_name(name))
+    scanned = jaxmem.scanned(_step, policy=name)
+    assert jax.grad(lambda h, ps: jnp.sum(scanned(h, ps)[0]))(*concrete_args()).shape == CARRY
+
+
+@pytest.mark.parametrize(
+    "api",
+    [
+        lambda p: jaxmem.scan(lambda c, x: (c, None), jnp.ones(2), length=2, policy=p),
+        lambda p: jaxmem.scanned(lambda c, x: (c, None), policy=p)(jnp.ones(2), length=2),
+        lambda p: jaxmem.reversible_scan(
+            lambda w, x: x * w,
+            lambda w, x: x * w,
+            (jnp.ones(2), jnp.ones(2)),
+            jnp.ones((3, 2)),
+            policy=p,
+        ),
+    ],
+    ids=["scan", "scanned", "reversible_scan"],
+)
+def test_bad_policies_get_one_message_everywhere(api):
+    with pytest.raises(ValueError, match="unknown policy 'full'; known policies: nothing"):
+        api("full")
+    with pytest.raises(TypeError, match=r"got policy=3 \(int\); expected None, 'auto'"):
+        api(3)
+
+
 @pytest.mark.parametrize("scan", SCANS)
 def test_offload_wins_in_either(scan):
     res = residuals_of(scan, policies.selective() | policies.offload("decoder_layer_input"))

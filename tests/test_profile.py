@@ -313,14 +313,16 @@ def test_profile_shows_the_plan_of_each_jaxmem_scan():
             h = jnp.tanh(h @ w + x)
             return h, h
 
-        _, ys = jaxmem.scan(step, h0, xs)
-        inner, _ = jaxmem.scan(lambda c, x: (jnp.sin(c) * x, None), h0, xs)
+        _, ys = jaxmem.scan(step, h0, xs, recompute="cheap")
+        inner, _ = jaxmem.scan(lambda c, x: (jnp.sin(c) * x, None), h0, xs, recompute="cheap")
         return jnp.sum(ys**2) + jnp.sum(inner)
 
     report = jaxmem.profile(loss, w, xs, h0)
     assert len(report.scan_plans) == 2
     first, second = report.scan_plans
-    alone = jaxmem.scan_residuals(lambda h, x: (jnp.tanh(h @ w + x),) * 2, h0, xs)
+    alone = jaxmem.scan_residuals(
+        lambda h, x: (jnp.tanh(h @ w + x),) * 2, h0, xs, recompute="cheap"
+    )
 
     def kinds(plan):
         return [(r.kind, r.shape, r.bytes) for r in plan.residuals + plan.stacked]

@@ -37,7 +37,7 @@ F32_RTOL = 1e-6
 LOW_RTOL = 2e-2
 
 T, B, D = 3, 2, 4
-RECOMPUTE_MODES = ("cheap", "none")
+RECOMPUTE_MODES = ("auto", "cheap", "none")
 
 
 # ------------------------------------------------------------------------------------------

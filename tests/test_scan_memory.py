@@ -1,17 +1,22 @@
 """Memory property test of :func:`jaxmem.scan`: never above :func:`jax.lax.scan` on random bodies.
 
-Every body is compiled twice, as ``jax.jit(jax.grad(loss, argnums=all))`` with ``jaxmem.scan``
-and with ``jax.lax.scan``, from :class:`jax.ShapeDtypeStruct` arguments (nothing runs), and the
-compiled ``memory_analysis().temp_size_in_bytes`` (DESIGN.md section 3) must satisfy::
+Every body is compiled twice, as ``jax.jit(jax.grad(loss, argnums=all))`` (or
+``value_and_grad``) with ``jaxmem.scan`` and with ``jax.lax.scan``, from
+:class:`jax.ShapeDtypeStruct` arguments (nothing runs), and the compiled
+``memory_analysis().temp_size_in_bytes`` (DESIGN.md section 3) must satisfy::
 
     jaxmem_temp <= 1.02 * stock_temp + 16 KiB
 
 whatever the body: ys that are intermediates, the carry, the carry-in or an xs slice; losses
-that read the ys, the final carry, both, or only part of either (so some cotangents are zero);
-two-leaf carries with a leaf the loss never sees; an int counter in the carry; reverse scans and
-unrolled loops. The shapes are larger than those of the value tests (``test_scan_random.py``) so
-that one stacked ``[T, B, D]`` buffer (64 KiB at the smallest) is well above the slack, while
-one step's buffer (at most 16 KiB) is within it.
+that read the ys, the final carry, both, only part of either (so some cotangents are zero), or
+the ys times constant weights; two-leaf carries with a leaf the loss never sees; an int counter
+in the carry; reverse scans; unrolled loops, with lengths that leave a remainder (T 7, 21, 29
+with unroll 2, 3, 4); remat policies (``jax.checkpoint_policies``' nothing, dots, dots with no batch
+dims, everything), compared with ``lax.scan`` over ``jax.checkpoint(step, policy=...)``; and
+``jax.value_and_grad`` (a training step's program, which also returns the loss) as well as
+``jax.grad``. The shapes are larger than those of the value tests (``test_scan_random.py``) so
+that one stacked ``[T, B, D]`` buffer (28 KiB at the smallest, T=7 B=16 D=64) is above the
+slack, while one step's buffer (at most 16 KiB) is within it.
 
 A body is a small program (:class:`Body`) drawn from a seeded ``numpy.random.RandomState``: the
 test ids are the seeds, the same in every run, and a failure prints the program and its bytes.
@@ -28,7 +33,7 @@ import pytest
 
 import jaxmem
 
-N_BODIES = 120
+N_BODIES = 200
 SLACK_RATIO = 1.02
 SLACK_BYTES = 16 * 1024
 
@@ -57,7 +62,16 @@ UNARY_OPS = (
 )
 BINARY_OPS = ("mul", "add", "sub", "mul_tanh")  # a * b, a + b, a - b, a * tanh(b)
 YS_KINDS = ("none", "carry", "carry_in", "x", "inter", "pair", "second")
-LOSS_KINDS = ("ys", "final", "both", "ys_first", "final_first")
+# "weighted": the final carry squared plus the ys times fixed (constant) weights.
+LOSS_KINDS = ("ys", "final", "both", "ys_first", "final_first", "weighted")
+# Remat presets as jax.checkpoint_policies objects; the stock equivalent of
+# jaxmem.scan(step, policy=p) is lax.scan over jax.checkpoint(step, policy=p).
+POLICIES = {
+    "nothing": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "everything": jax.checkpoint_policies.everything_saveable,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +97,9 @@ class Body:
     loss: str
     reverse: bool
     unroll: int
+    policy: str | None  # a key of POLICIES: each step under jax.checkpoint(policy=...)
+    prevent_cse: bool  # the stock equivalent's jax.checkpoint(prevent_cse=...), with a policy
+    value: bool  # jax.value_and_grad (as a training step) rather than jax.grad
 
     def __str__(self) -> str:
         names = ["h", "x", "c" if self.two_carry else "h"]
@@ -94,7 +111,9 @@ class Body:
         carry = f"(h={names[-1]}, c={names[self.c_from]})" if self.two_carry else names[-1]
         return (
             f"Body(seed={self.seed}, T={self.t}, B={self.b}, D={self.d}, "
-            f"reverse={self.reverse}, unroll={self.unroll}, counter={self.counter})\n"
+            f"reverse={self.reverse}, unroll={self.unroll}, counter={self.counter}, "
+            f"policy={self.policy}, prevent_cse={self.prevent_cse}, "
+            f"{'value_and_grad' if self.value else 'grad'})\n"
             + "\n".join(lines)
             + f"\n  carry out {carry}; ys {self.ys}"
             + (f"@v{self.ys_at}" if self.ys in ("inter", "pair") else "")
@@ -117,9 +136,11 @@ def draw_body(seed: int) -> Body:
         op = str(rng.choice(BINARY_OPS)) if rng.rand() < 0.3 else str(rng.choice(unary))
         ops.append((op, i, j))
     n_vals = 3 + n_ops
+    # Lengths with and without a remainder for each unroll (21 = 2 * 10 + 1 = 4 * 5 + 1).
+    t, unroll = int(rng.choice([7, 16, 21, 24, 29, 32])), int(rng.choice([1, 1, 2, 2, 3, 4]))
     return Body(
         seed=seed,
-        t=int(rng.choice([16, 24, 32])),
+        t=t,
         b=int(rng.choice([16, 32])),
         d=int(rng.choice([64, 96, 128])),
         ops=tuple(ops),
@@ -130,7 +151,13 @@ def draw_body(seed: int) -> Body:
         ys_at=int(rng.randint(3, n_vals)),
         loss=str(rng.choice(LOSS_KINDS)),
         reverse=bool(rng.rand() < 0.25),
-        unroll=int(rng.choice([1, 1, 1, 2, 4])),
+        unroll=unroll,
+        policy=None if rng.rand() < 0.6 else str(rng.choice(list(POLICIES))),
+        # jax.checkpoint's default (True) is what most code has, False what jax advises in a
+        # scan and what jaxmem applies; each is leaner on some bodies (on jax 0.12.0.1, True on
+        # 11 of 30 policy bodies, by up to 28%).
+        prevent_cse=bool(rng.rand() < 0.5),
+        value=bool(rng.rand() < 0.5),
     )
 
 
@@ -226,10 +253,37 @@ def make_loss(body: Body, scan):
             "both": ys + final,
             "ys_first": ys[:1],  # with ys pairs, the second ys is ignored
             "final_first": final[:1],  # with two carry leaves, c's final value is ignored
+            "weighted": final,
         }[kind]
-        return sum(jnp.sum(v**2) for v in parts)
+        total = sum(jnp.sum(v**2) for v in parts)
+        if kind == "weighted":
+            total += sum(jnp.sum(v * fixed_weights(v.shape, k)) for k, v in enumerate(ys))
+        return total
 
     return loss
+
+
+def fixed_weights(shape, k: int):
+    """Constant weights for a ys of ``shape`` (baked into the program, not an argument)."""
+    return np.random.default_rng(k).standard_normal(shape).astype(np.float32)
+
+
+def scans(body: Body):
+    """``(jaxmem's scan, lax.scan's equivalent)`` for ``body``: with a policy, jaxmem.scan's
+    ``policy=`` against lax.scan over the step under ``jax.checkpoint(policy=...,
+    prevent_cse=...)``."""
+    if body.policy is None:
+        return jaxmem.scan, jax.lax.scan
+    policy = POLICIES[body.policy]
+
+    def ours(f, *args, **kwargs):
+        return jaxmem.scan(f, *args, **kwargs, policy=policy)
+
+    def stock(f, *args, **kwargs):
+        step = jax.checkpoint(f, policy=policy, prevent_cse=body.prevent_cse)
+        return jax.lax.scan(step, *args, **kwargs)
+
+    return ours, stock
 
 
 def arg_structs(body: Body):
@@ -239,14 +293,19 @@ def arg_structs(body: Body):
     return p, s(body.t, body.b, body.d), h0
 
 
-def temp_bytes(loss, args) -> int:
-    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+def temp_bytes(loss, args, value: bool = False) -> int:
+    """Compiled temp bytes of ``jit(grad(loss))`` (``value``: of ``jit(value_and_grad(loss))``)
+    with respect to every argument."""
+    argnums = tuple(range(len(args)))
+    grad = jax.jit((jax.value_and_grad if value else jax.grad)(loss, argnums=argnums))
     return grad.lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
-def assert_not_above_stock(loss_of, args, what: str):
-    ours = temp_bytes(loss_of(jaxmem.scan), args)
-    stock = temp_bytes(loss_of(jax.lax.scan), args)
+def assert_not_above_stock(
+    loss_of, args, what: str, scans=(jaxmem.scan, jax.lax.scan), value=False
+):
+    ours = temp_bytes(loss_of(scans[0]), args, value)
+    stock = temp_bytes(loss_of(scans[1]), args, value)
     bound = SLACK_RATIO * stock + SLACK_BYTES
     assert ours <= bound, (
         f"jaxmem.scan compiled temp {ours:,d} B > {SLACK_RATIO} x lax.scan's {stock:,d} B "
@@ -261,7 +320,8 @@ def assert_not_above_stock(loss_of, args, what: str):
 def test_bodies_are_varied():
     """The seeded generator covers what the property is about (a guard against a narrow draw)."""
     bodies = [draw_body(s) for s in range(N_BODIES)]
-    assert len({b.ops for b in bodies}) == N_BODIES
+    assert len({dataclasses.replace(b, seed=0) for b in bodies}) == N_BODIES
+    assert len({b.ops for b in bodies}) >= 0.95 * N_BODIES
     for kind in YS_KINDS:
         assert any(b.ys == kind for b in bodies), kind
     for kind in LOSS_KINDS:
@@ -270,12 +330,39 @@ def test_bodies_are_varied():
     assert any(b.two_carry for b in bodies) and any(b.counter for b in bodies)
     ignoring_final = [b for b in bodies if b.loss in ("ys", "ys_first") and b.ys != "none"]
     assert len(ignoring_final) >= 20
+    remainder = [b for b in bodies if b.unroll > 1 and b.t % b.unroll]
+    assert len(remainder) >= 40 and any(b.two_carry and b.ys != "none" for b in remainder)
+    assert {b.unroll for b in remainder} >= {2, 3, 4}
+    for name in POLICIES:
+        assert sum(b.policy == name for b in bodies) >= 10, name
+        assert any(b.policy == name for b in remainder), name
+    assert 60 <= sum(b.value for b in bodies) <= 140
+    with_policy = [b for b in bodies if b.policy]
+    assert 20 <= sum(b.prevent_cse for b in with_policy) <= len(with_policy) - 20
 
 
-@pytest.mark.parametrize("seed", range(N_BODIES))
+# Known gap (issue 24, item 2), measured on jax 0.12.0.1: against lax.scan over
+# jax.checkpoint(policy=nothing, prevent_cse=True) this body's jaxmem temp is 2.50x (327,680 B vs
+# 131,072 B); against prevent_cse=False stock is 344,064 B. jaxmem applies policies with
+# prevent_cse=False. Strict: the mark fails once the gap is closed.
+_KNOWN_GAPS = {
+    122: pytest.mark.xfail(
+        condition=jax.__version__.startswith("0.12"),
+        reason="issue 24 item 2: policy with prevent_cse=True stock, 2.50x on jax 0.12",
+        strict=True,
+    )
+}
+
+
+@pytest.mark.parametrize(
+    "seed",
+    [pytest.param(s, marks=_KNOWN_GAPS[s]) if s in _KNOWN_GAPS else s for s in range(N_BODIES)],
+)
 def test_random_body_is_not_above_stock(seed):
     body = draw_body(seed)
-    assert_not_above_stock(lambda scan: make_loss(body, scan), arg_structs(body), str(body))
+    assert_not_above_stock(
+        lambda scan: make_loss(body, scan), arg_structs(body), str(body), scans(body), body.value
+    )
 
 
 def test_issue_body_h_times_xw_is_not_above_stock():
@@ -301,6 +388,32 @@ def test_issue_body_h_times_xw_is_not_above_stock():
 
     s = lambda *shape: jax.ShapeDtypeStruct(shape, f32)
     assert_not_above_stock(loss_of, (s(d, d), s(t, b, d), s(b, d)), "h * (x @ w), loss sum(ys**2)")
+
+
+@pytest.mark.parametrize("t, unroll", [(21, 2), (21, 4), (7, 4)])
+def test_issue24_unroll_remainder_body_is_not_above_stock(t, unroll):
+    """Issue 24 item 3: two [32, 128] carries (e, f), ``g = e + e; i = where(f > 0, f, f);
+    k = where(g > 0, g, g)``, ys ``(k, i)``, loss the final carries squared plus the ys times
+    fixed weights, value_and_grad. T=21 with unroll 2 compiled to 1.16x lax.scan's temp on jax
+    0.12.0.1 (2,359,480 B against 2,031,880 B), unroll 1 and 3 below stock."""
+
+    def loss_of(scan):
+        def loss(e0, f0):
+            def step(carry, _):
+                e, f = carry
+                g = e + e
+                i = jnp.where(f > 0, f, f)
+                k = jnp.where(g > 0, g, g)
+                return (jnp.tanh(k + e), jnp.tanh(i + f)), (k, i)
+
+            (e, f), (k, i) = scan(step, (e0, f0), None, length=t, unroll=unroll)
+            w = fixed_weights(k.shape, 0), fixed_weights(i.shape, 1)
+            return jnp.sum(e**2) + jnp.sum(f**2) + jnp.sum(k * w[0]) + jnp.sum(i * w[1])
+
+        return loss
+
+    s = jax.ShapeDtypeStruct((32, 128), f32)
+    assert_not_above_stock(loss_of, (s, s), f"issue 24 item 3, T={t}, unroll={unroll}", value=True)
 
 
 @pytest.mark.parametrize("act", [jax.nn.relu, jax.nn.silu], ids=["relu", "silu"])

@@ -55,25 +55,6 @@ _DEFAULT_SPLIT_RNGS = {"params": True, "dropout": True}
 # Argument checks shared by the linen and NNX faces.
 
 
-def _resolve_policy(policy: Any, fname: str) -> Callable | None:
-    """``None``, a policy, or a preset name (:func:`jaxmem.policies.by_name`) -> policy.
-
-    ``"auto"`` stays ``"auto"``: :func:`jaxmem.scan` resolves it when the step is traced.
-    """
-    if policy is None or callable(policy) or policy == "auto":
-        return policy
-    if isinstance(policy, str):
-        try:
-            return _policies.by_name(policy)
-        except ValueError as e:
-            raise ValueError(f"{fname}: {e}") from None
-    raise TypeError(
-        f"{fname} got policy={policy!r} ({type(policy).__name__}); expected None, a remat "
-        "policy (jaxmem.policies.* or jax.checkpoint_policies.*) or a preset name such as "
-        "'dots' or 'selective'."
-    )
-
-
 def _check_length(length: Any, fname: str) -> int:
     if isinstance(length, bool) or not isinstance(length, int | np.integer):
         raise TypeError(
@@ -86,7 +67,7 @@ def _check_length(length: Any, fname: str) -> int:
 
 
 def _check_scan_options(policy, offload, recompute, unroll, fname: str):
-    policy = _resolve_policy(policy, fname)
+    policy = _policies.resolve(policy, fname)
     _scan._check_offload(offload, fname)
     _scan._check_recompute(recompute, fname)
     _scan._check_unroll(unroll, fname)
@@ -483,7 +464,7 @@ def scan(
     *,
     policy: Callable | str | None = None,
     offload: str | tuple[str, ...] | None = None,
-    recompute: str = "cheap",
+    recompute: str = "auto",
     checkpoints: int | str | None = None,
 ) -> Any:
     """``flax.linen.scan`` with :func:`jaxmem.scan` as its loop: same signature, lean VJP.
@@ -637,7 +618,7 @@ def scan_layers(
     *,
     policy: Callable | str | None = None,
     offload: str | tuple[str, ...] | None = None,
-    recompute: str = "cheap",
+    recompute: str = "auto",
     checkpoints: int | str | None = None,
     in_axes: Any = broadcast,
     out_axes: Any = 0,
@@ -673,7 +654,7 @@ def scan_layers(
         :mod:`jaxmem.policies` policy, one of ``jax.checkpoint_policies``, or a preset name
         (``"nothing"``, ``"dots"``, ``"selective"``, ...). None (default): no remat.
       offload: as in :func:`jaxmem.scan` (host offload of stacked residuals).
-      recompute: as in :func:`jaxmem.scan` (``"cheap"`` or ``"none"``).
+      recompute: as in :func:`jaxmem.scan` (``"auto"``, ``"cheap"`` or ``"none"``).
       checkpoints: as in :func:`jaxmem.scan` (binomial checkpointing of the layer loop: at most
         ``k`` carries stored, ``"sqrt"`` for ``ceil(sqrt(length))``; None: the lean VJP).
       in_axes: prefix tree over the positional args after the carry; ints scan, and
@@ -813,7 +794,7 @@ def remat(
       ValueError: jaxmem.flax.linen.remat: jaxmem.policies.by_name: unknown policy 'full'; ...
     """
     fname = "jaxmem.flax.linen.remat"
-    policy = _resolve_policy(policy, fname)
+    policy = _policies.resolve(policy, fname)
     opts = dict(policy=policy, prevent_cse=prevent_cse, static_argnums=static_argnums, **kwargs)
     if module_cls is None:
         return functools.partial(_remat, fname=fname, **opts)

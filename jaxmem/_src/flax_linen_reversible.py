@@ -28,13 +28,13 @@ from flax.core import meta
 from jax.tree_util import keystr, tree_flatten_with_path, tree_structure
 
 from jaxmem._src import checks
+from jaxmem._src import policies as _policies
 from jaxmem._src import reversible as _rev
 from jaxmem._src import scan as _scan
 from jaxmem._src.flax_linen import (
     _DEFAULT_SPLIT_RNGS,
     _check_length,
     _check_module_class,
-    _resolve_policy,
 )
 
 # ------------------------------------------------------------------------------------------
@@ -86,7 +86,7 @@ def _aval(shape: tuple, dtype: Any) -> str:
 
 
 def _check_options(policy, anchor_every, unroll, length, fname):
-    policy = _resolve_policy(policy, fname)
+    policy = _policies.resolve(policy, fname)
     _rev._check_anchor(anchor_every, length, fname)
     _scan._check_unroll(unroll, fname)
     return policy

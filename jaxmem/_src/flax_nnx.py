@@ -41,12 +41,12 @@ from jax.tree_util import tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from jaxmem._src import auto as _auto
 from jaxmem._src import jax_compat as _jc
+from jaxmem._src import policies as _policies
 from jaxmem._src import scan as _scan
 from jaxmem._src.flax_linen import (
     _check_checkpoints,
     _check_length,
     _check_scan_options,
-    _resolve_policy,
 )
 
 
@@ -285,7 +285,7 @@ def scan(
     graph_updates: bool | None = None,
     policy: Callable | str | None = None,
     offload: str | tuple[str, ...] | None = None,
-    recompute: str = "cheap",
+    recompute: str = "auto",
     checkpoints: int | str | None = None,
 ) -> Callable:
     """``flax.nnx.scan`` run by :func:`jaxmem.scan`: same arguments and semantics, lean VJP.
@@ -316,7 +316,7 @@ def scan(
       policy: remat policy per step: a :mod:`jaxmem.policies` policy, a
         ``jax.checkpoint_policies`` policy, a preset name (``"dots"``, ...) or None.
       offload: as in :func:`jaxmem.scan`.
-      recompute: as in :func:`jaxmem.scan` (``"cheap"`` or ``"none"``).
+      recompute: as in :func:`jaxmem.scan` (``"auto"``, ``"cheap"`` or ``"none"``).
       checkpoints: as in :func:`jaxmem.scan` (binomial checkpointing of the loop: at most
         ``k`` carries stored, ``"sqrt"`` for ``ceil(sqrt(length))``; None: the lean VJP).
         State updates and values are ``nnx.scan``'s either way.
@@ -356,7 +356,7 @@ def scan(
       True
     """
     fname = "jaxmem.flax.nnx.scan"
-    policy = _resolve_policy(policy, fname)
+    policy = _policies.resolve(policy, fname)
     _scan._check_offload(offload, fname)
     _scan._check_recompute(recompute, fname)
     _scan._check_unroll(unroll, fname)
@@ -404,7 +404,7 @@ class ScanLayers(nnx.Module):
         ``jax.checkpoint_policies`` policy, a preset name (``"dots"``, ``"selective"``, ...),
         or None (no remat).
       offload: as in :func:`jaxmem.scan`.
-      recompute: as in :func:`jaxmem.scan` (``"cheap"`` or ``"none"``).
+      recompute: as in :func:`jaxmem.scan` (``"auto"``, ``"cheap"`` or ``"none"``).
       checkpoints: as in :func:`jaxmem.scan` (binomial checkpointing of the layer loop: at most
         ``k`` carries stored, ``"sqrt"`` for ``ceil(sqrt(length))``; None: the lean VJP).
       reverse: run the layers from last to first.
@@ -457,7 +457,7 @@ class ScanLayers(nnx.Module):
         rngs: nnx.Rngs,
         policy: Callable | str | None = None,
         offload: str | tuple[str, ...] | None = None,
-        recompute: str = "cheap",
+        recompute: str = "auto",
         checkpoints: int | str | None = None,
         reverse: bool = False,
         unroll: int = 1,
@@ -544,7 +544,7 @@ def scan_layers(
     rngs: nnx.Rngs,
     policy: Callable | str | None = None,
     offload: str | tuple[str, ...] | None = None,
-    recompute: str = "cheap",
+    recompute: str = "auto",
     checkpoints: int | str | None = None,
     reverse: bool = False,
     unroll: int = 1,
@@ -652,7 +652,7 @@ def remat(
       TypeError: jaxmem.flax.nnx.remat got the bound method MLP.__call__ ...
     """
     fname = "jaxmem.flax.nnx.remat"
-    policy = _resolve_policy(policy, fname)
+    policy = _policies.resolve(policy, fname)
     opts = dict(policy=policy, prevent_cse=prevent_cse, static_argnums=static_argnums)
     if f is None:
         return functools.partial(_remat, fname=fname, **opts)

@@ -768,3 +768,47 @@ def by_name(policy_name: str) -> Policy:
             "custom(...) in code."
         )
     return _PRESETS[key]
+
+
+def resolve(policy: Any, fname: str) -> Callable | str | None:
+    """The one place a ``policy=`` argument is read: ``None``, a policy, ``"auto"``, or a name.
+
+    A preset name (:func:`by_name`, jax's names included) becomes its policy; ``None``, a callable
+    policy and ``"auto"`` (resolved by the active :func:`jaxmem.use_plan` when the step is traced)
+    are returned as they are. Every API that takes ``policy=`` (:func:`jaxmem.scan`,
+    :func:`jaxmem.scanned`, :func:`jaxmem.reversible_scan`, the :mod:`jaxmem.flax` stacks and
+    remat) reads it through here.
+
+    Args:
+      policy: what the caller was given.
+      fname: the public API's name, for error messages.
+
+    Returns:
+      ``None``, ``"auto"`` or a policy.
+
+    Raises:
+      ValueError: an unknown preset name (the message lists the known ones).
+      TypeError: anything else that is not a policy.
+
+    Examples:
+      >>> resolve("dots_saveable", "jaxmem.scan")
+      dots
+      >>> resolve(None, "jaxmem.scan") is None
+      True
+      >>> resolve(3, "jaxmem.scan")
+      Traceback (most recent call last):
+        ...
+      TypeError: jaxmem.scan got policy=3 (int); expected None, 'auto', a remat policy ...
+    """
+    if policy is None or callable(policy) or (isinstance(policy, str) and policy == "auto"):
+        return policy
+    if isinstance(policy, str):
+        try:
+            return by_name(policy)
+        except ValueError as e:
+            raise ValueError(f"{fname}: {e}") from None
+    raise TypeError(
+        f"{fname} got policy={policy!r} ({type(policy).__name__}); expected None, 'auto', a remat "
+        "policy (jaxmem.policies.* or jax.checkpoint_policies.*) or a preset name such as "
+        "'dots' or 'selective'."
+    )

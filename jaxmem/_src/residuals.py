@@ -42,6 +42,7 @@ import numpy as np
 
 from jaxmem._src import jax_compat as jc
 from jaxmem._src import mincut
+from jaxmem._src import recompute_cost as _pricing
 
 # Primitives whose recomputation in the backward step is cheap: elementwise arithmetic and
 # transcendental functions, comparisons and selects, type conversions and pure data movement
@@ -54,8 +55,8 @@ CHEAP_PRIMITIVES: frozenset[str] = frozenset(
     """
     abs acos acosh add and asin asinh atan atan2 atanh bitcast_convert_type broadcast_in_dim cbrt
     ceil clamp complex concatenate conj convert_element_type copy copy_p cos cosh div
-    dynamic_slice eq erf erf_inv erfc exp exp2 expand_dims expm1 floor ge gt imag integer_pow
-    iota is_finite le log log1p log2 logistic lt max min mul name ne neg nextafter not
+    dynamic_slice erf erf_inv erfc exp exp2 expand_dims expm1 floor ge gt imag integer_pow
+    iota is_finite le log log1p log2 logistic lt max min mul name neg nextafter not
     one_minus_square or pad polynomial population_count pow real reduce_precision rem reshape
     rev round rsqrt select_n
     shift_left shift_right_arithmetic shift_right_logical sign sin sinh slice split sqrt square
@@ -100,8 +101,27 @@ def _cost(aval) -> int:
     return kept_bytes(aval) * _TIE + 1
 
 
+# Exact comparisons of floating-point values. The backward step's recompute is a separate XLA
+# computation from the forward step's: XLA may fold constants or fuse differently there, so a
+# recomputed float is equal to the forward's value only up to rounding. A comparison for
+# *equality* turns that rounding into a different mask: with jax 0.10.2, ``max(g, 0.1 * g)``'s
+# JVP is ``eq(g, ans)`` and ``eq(0.1 * g, ans)`` against the output ``ans``, and comparing a
+# recomputed ``0.1 * g`` with the forward's ``ans`` (a y, read back) dropped a quarter of the
+# gradient. Every JVP rule that locates an extremum this way (max, min, reduce_max, argmax-based
+# ``_eq_meet``, sort, ...) is of that kind, so such a mask is never recomputed: it is kept, as
+# bits (:func:`packs_bits`). Orderings (lt, gt, ...) flip only at exact ties and stay cheap.
+_EXACT_COMPARISONS = frozenset({"eq", "ne"})
+
+
+def _is_float(v) -> bool:
+    dtype = getattr(v.aval, "dtype", None)
+    return dtype is not None and np.issubdtype(dtype, np.inexact)
+
+
 def _is_cheap(eqn) -> bool:
     name = eqn.primitive.name
+    if name in _EXACT_COMPARISONS:
+        return not any(_is_float(v) for v in eqn.invars)
     if name in CHEAP_PRIMITIVES:
         return True
     if name == "device_put":
@@ -271,11 +291,14 @@ class Stores:
     free: frozenset
 
 
-def _graph(jaxpr, cheap: Callable):
-    costs = {v: _cost(v.aval) for v in itertools.chain(jaxpr.constvars, jaxpr.invars)}
+def _graph(jaxpr, cheap: Callable, host: frozenset = frozenset()):
+    """Min-cut costs and ops of ``jaxpr``; a value in ``host`` (kept in host memory) costs no
+    device bytes, only the unit that makes the cut prefer fewer values."""
+    cost = lambda v: 1 if v in host else _cost(v.aval)
+    costs = {v: cost(v) for v in itertools.chain(jaxpr.constvars, jaxpr.invars)}
     ops = []
     for eqn in jaxpr.eqns:
-        costs.update((v, _cost(v.aval)) for v in eqn.outvars)
+        costs.update((v, cost(v)) for v in eqn.outvars)
         inputs = tuple(u for u in eqn.invars if _is_var(u))
         ops.append(mincut.Op(inputs, tuple(eqn.outvars), cheap(eqn)))
     return costs, ops
@@ -286,10 +309,12 @@ def choose_stores(
     base_free: set,
     candidates: Sequence[tuple[int, ...]],
     cheap: Callable,
+    host: frozenset = frozenset(),
 ) -> Stores:
-    """The cheapest stores over the candidate carry subsets (a kept carry costs its bytes)."""
+    """The cheapest stores over the candidate carry subsets (a kept carry costs its bytes; a
+    value in ``host``, offloaded by name, no device bytes)."""
     targets = [v for v in traced.res_out if _is_var(v)]
-    costs, ops = _graph(traced.jaxpr, cheap)
+    costs, ops = _graph(traced.jaxpr, cheap, host)
     best = None
     for subset in candidates:
         free = set(base_free)
@@ -324,6 +349,10 @@ class StepPlan:
       stacked_vars: the partial activations: variables of ``J`` emitted per step.
       hoisted_vars: variables computed from constants only that the backward step reads.
       stack_carry: per carry leaf, whether the carry sequence of that leaf is kept.
+      carry_out_read: per carry leaf, whether the backward step reads its carry-out from the
+        kept sequence (the next step's carry-in; the scan's final carry for the last step). A
+        kept leaf whose carry-out no residual needs (a remat policy keeps only the step's
+        inputs) keeps no final carry beside its sequence.
       carry_from_y: per carry leaf, the index of a y output that *is* its carry-out, or -1.
       carry_in_read: per carry leaf, whether the backward step reads its carry-in.
       need_y: per y leaf, whether the backward step reads it.
@@ -341,6 +370,7 @@ class StepPlan:
     stacked_vars: tuple
     hoisted_vars: tuple
     stack_carry: tuple[bool, ...]
+    carry_out_read: tuple[bool, ...]
     carry_from_y: tuple[int, ...]
     carry_in_read: tuple[bool, ...]
     need_y: tuple[bool, ...]
@@ -439,7 +469,9 @@ def _sub_jaxpr(traced: TracedStep, in_groups: Sequence[Sequence], outs: Sequence
     return jc.closed_jaxpr(jaxpr, traced.consts)
 
 
-def build_jaxprs(traced, hoisted, stacked, stack_carry, carry_from_y, carry_in_read, need_y):
+def build_jaxprs(
+    traced, hoisted, stacked, stack_carry, carry_out_read, carry_from_y, carry_in_read, need_y
+):
     """The ``hoist``, ``forward`` and ``rebuild`` jaxprs of a plan (see :class:`StepPlan`)."""
     hoist = _sub_jaxpr(traced, [traced.const_in], hoisted)
     forward = _sub_jaxpr(
@@ -454,7 +486,7 @@ def build_jaxprs(traced, hoisted, stacked, stack_carry, carry_from_y, carry_in_r
             hoisted,
             traced.x_in,
             [v for v, n in zip(traced.y_out, need_y, strict=True) if n],
-            [v for v, k in zip(traced.carry_out, stack_carry, strict=True) if k],
+            [v for v, r in zip(traced.carry_out, carry_out_read, strict=True) if r],
             [v for v, k in zip(traced.carry_in, stack_carry, strict=True) if k],
             [
                 traced.carry_in[i]
@@ -468,7 +500,62 @@ def build_jaxprs(traced, hoisted, stacked, stack_carry, carry_from_y, carry_in_r
     return hoist, forward, rebuild
 
 
-def plan_step(body, n_consts: int, n_carry: int, in_avals: Sequence, recompute: str) -> StepPlan:
+def _priced_cut(traced: TracedStep, body, base_free: set, candidates, model=None, host=frozenset()):
+    """The cut of ``recompute="auto"`` (:mod:`jaxmem._src.recompute_cost`): recompute only what
+    fuses, and keep the most expensive recompute instead while the recomputes cost more than the
+    model's budget of the step's time. Returns the recompute predicate and the stores."""
+    model = _pricing.for_backend() if model is None else model
+    allowed = _pricing.plan_filter(_is_cheap, base_free | set(traced.carry_in), model)
+    kept: set[int] = set()  # ids of equations the budget took out of the recomputable set
+
+    def cheap(eqn) -> bool:
+        return id(eqn) not in kept and allowed(eqn)
+
+    budget = model.budget * _pricing.step_seconds(jc.open_jaxpr(body).eqns, model)
+    targets = [v for v in traced.res_out if _is_var(v)]
+    # What keeping every residual would cost in bytes: a recompute is credited with the memory
+    # traffic of the bytes it saves.
+    never = lambda e: False
+    most = _stored_bytes(traced, choose_stores(traced, base_free, candidates, never, host), host)
+    for attempt in range(_MAX_PRICED_CUTS):
+        stores = choose_stores(traced, base_free, candidates, cheap, host)
+        recomputed = needed_eqns(traced.jaxpr.eqns, targets, stores.free | stores.stored)
+        seconds = [_pricing.eqn_seconds(e, model) for e in recomputed]
+        saved = _pricing.traffic_seconds(max(0, most - _stored_bytes(traced, stores, host)), model)
+        if not recomputed or sum(seconds) - saved <= budget or attempt == _MAX_PRICED_CUTS - 1:
+            break
+        kept.add(id(recomputed[int(np.argmax(seconds))]))
+    return cheap, stores
+
+
+def _stored_bytes(traced: TracedStep, stores: Stores, host: frozenset = frozenset()) -> int:
+    """Device bytes a cut keeps per step: its stored values and kept carry leaves."""
+    kept = sum(_nbytes(traced.carry_in[i].aval) for i in stores.kept_carry)
+    return kept + sum(kept_bytes(v.aval) for v in stores.stored if v not in host)
+
+
+def named_vars(jaxpr, names) -> frozenset:
+    """The variables of ``jaxpr`` named one of ``names``: the input or the output of a
+    ``checkpoint_name`` equation (:func:`jaxmem.name`) with that name, at any depth."""
+    out = set()
+    for eqn in iter_eqns(jaxpr):
+        if jc.eqn_checkpoint_name(eqn) in names:
+            out.update(v for v in (*eqn.invars, *eqn.outvars) if _is_var(v))
+    return frozenset(out)
+
+
+# Cuts the budget of recompute="auto" may make (each after keeping one more recompute).
+_MAX_PRICED_CUTS = 8
+
+
+def plan_step(
+    body,
+    n_consts: int,
+    n_carry: int,
+    in_avals: Sequence,
+    recompute: str,
+    host_names: frozenset = frozenset(),
+) -> StepPlan:
     """Traces the VJP of one step and plans where each residual comes from.
 
     Args:
@@ -477,7 +564,10 @@ def plan_step(body, n_consts: int, n_carry: int, in_avals: Sequence, recompute: 
       n_consts: number of constant inputs.
       n_carry: number of carry leaves.
       in_avals: abstract values of the inputs (consts, carry, one x slice).
-      recompute: ``"cheap"`` or ``"none"``.
+      recompute: ``"auto"`` (cheap recomputes that fuse, within a time budget:
+        :mod:`jaxmem._src.recompute_cost`), ``"cheap"`` or ``"none"``.
+      host_names: checkpoint names of values kept in host memory (``offload=`` names): they
+        cost the cut no device bytes, so it keeps them rather than what is computed from them.
 
     Returns:
       A :class:`StepPlan`.
@@ -492,10 +582,13 @@ def plan_step(body, n_consts: int, n_carry: int, in_avals: Sequence, recompute: 
     # it picks among the y outputs is then read from ys, not stacked again.
     y_vars = {v for v in traced.y_out if _is_var(v)}
     base_free = const_only | set(traced.x_in)
-    cheap = _is_cheap if recompute == "cheap" else (lambda eqn: False)
-    stores = choose_stores(
-        traced, base_free, carry_candidates(traced, [-1] * len(traced.carry_in)), cheap
-    )
+    candidates = carry_candidates(traced, [-1] * len(traced.carry_in))
+    host = named_vars(traced.jaxpr, host_names) if host_names else frozenset()
+    if recompute == "auto":
+        cheap, stores = _priced_cut(traced, body, base_free, candidates, host=host)
+    else:
+        cheap = _is_cheap if recompute == "cheap" else (lambda eqn: False)
+        stores = choose_stores(traced, base_free, candidates, cheap, host)
     # Kept carry leaves whose carry-out is a y are read from ys (shifted), not stacked.
     from_y = [j if i in stores.kept_carry else -1 for i, j in enumerate(from_y)]
 
@@ -520,7 +613,13 @@ def plan_step(body, n_consts: int, n_carry: int, in_avals: Sequence, recompute: 
         for i, v in enumerate(traced.carry_in)
     )
     carry_in_read = tuple(v in read_by_bwd for v in traced.carry_in)
-    need_y = [_is_var(v) and v in read_by_bwd and v not in const_only for v in traced.y_out]
+    # A y that is an input of the step (a pass-through: nnx.scan returns the layers' state) is
+    # read from that input, never from its ys stack.
+    inputs = {*traced.const_in, *traced.x_in}
+    need_y = [
+        _is_var(v) and v in read_by_bwd and v not in const_only and v not in inputs
+        for v in traced.y_out
+    ]
     for i, j in enumerate(from_y):
         if j >= 0 and carry_in_read[i]:
             need_y[j] = True
@@ -528,8 +627,16 @@ def plan_step(body, n_consts: int, n_carry: int, in_avals: Sequence, recompute: 
         if j >= 0:
             need_y[j] = True
     need_y = tuple(need_y)
+    # A kept carry-out is an input of the rebuild only where it is read and not bound earlier in
+    # the rebuild's inputs (as a const, hoisted value, xs slice or y read back).
+    earlier = {*traced.const_in, *hoisted, *traced.x_in}
+    earlier |= {v for v, n in zip(traced.y_out, need_y, strict=True) if n}
+    carry_out_read = tuple(
+        stack_carry[i] and _is_var(v) and v in read_by_bwd and v not in earlier
+        for i, v in enumerate(traced.carry_out)
+    )
     hoist, forward, rebuild = build_jaxprs(
-        traced, hoisted, stacked, stack_carry, from_y, carry_in_read, need_y
+        traced, hoisted, stacked, stack_carry, carry_out_read, from_y, carry_in_read, need_y
     )
     return StepPlan(
         traced=traced,
@@ -537,6 +644,7 @@ def plan_step(body, n_consts: int, n_carry: int, in_avals: Sequence, recompute: 
         stacked_vars=stacked,
         hoisted_vars=hoisted,
         stack_carry=stack_carry,
+        carry_out_read=carry_out_read,
         carry_from_y=tuple(from_y),
         carry_in_read=carry_in_read,
         need_y=need_y,
@@ -566,8 +674,8 @@ class PlannedResidual:
     Examples:
       >>> import jax.numpy as jnp
       >>> import jaxmem
-      >>> plan = jaxmem.scan_residuals(lambda c, x: (jnp.sin(c) * x, None), jnp.ones(3),
-      ...                              jnp.ones((5, 3)))
+      >>> step = lambda c, x: (jnp.sin(c) * x, None)  # recompute="cheap": the fewest bytes
+      >>> plan = jaxmem.scan_residuals(step, jnp.ones(3), jnp.ones((5, 3)), recompute="cheap")
       >>> [(r.kind, r.shape, r.bytes) for r in plan.residuals]  # x, cos(c), sin(c)
       [('xs', (3,), 12), ('recomputed', (3,), 12), ('recomputed', (3,), 12)]
     """
@@ -599,12 +707,18 @@ class ScanPlan:
     Examples:
       >>> import jax.numpy as jnp
       >>> import jaxmem
-      >>> plan = jaxmem.scan_residuals(lambda c, x: (jnp.sin(c) * x, None), jnp.ones(3),
-      ...                              jnp.ones((5, 3)))
+      >>> step = lambda c, x: (jnp.sin(c) * x, None)
+      >>> plan = jaxmem.scan_residuals(step, jnp.ones(3), jnp.ones((5, 3)), recompute="cheap")
       >>> plan.stacked_bytes, plan.stock_stacked_bytes, plan.ratio  # carry sequence vs 2 stacks
       (60, 120, 0.5)
       >>> plan.counts()["recomputed"], [r.kind for r in plan.stacked]
       (2, ['carry'])
+
+      The default, ``recompute="auto"``, prices recomputes against the step's time: this step
+      has no dot to hide a sine and a cosine behind, so it keeps them, as ``lax.scan`` does.
+
+      >>> jaxmem.scan_residuals(step, jnp.ones(3), jnp.ones((5, 3))).ratio
+      1.0
     """
 
     length: int

@@ -44,7 +44,6 @@ from jax import lax
 from jax.tree_util import tree_flatten, tree_map, tree_structure, tree_unflatten
 
 from jaxmem._src import checks
-from jaxmem._src import policies as _policies
 from jaxmem._src.scan import ForwardModeError, _apply_policy
 
 _FORWARD_MODE = (
@@ -223,11 +222,6 @@ class Coupling:
         streams = self._check_streams(streams, fname)
         n_layers = _check_params(params, length, fname)
         k = _check_anchor(anchor_every, n_layers, fname)
-        if isinstance(policy, str) and policy != "auto":
-            try:
-                policy = _policies.by_name(policy)
-            except ValueError as e:
-                raise ValueError(f"{fname}: {e}") from None
         fns = tuple(_apply_policy(fn, policy, fname) for fn in self.fns)
         p0 = tree_map(lambda a: a[0], params)
         self._check_shapes(fns, p0, streams, fname)

@@ -34,11 +34,12 @@ from jaxmem._src import auto as _auto
 from jaxmem._src import checks
 from jaxmem._src import jax_compat as _jc
 from jaxmem._src import listing as _listing
+from jaxmem._src import policies as _policies
 from jaxmem._src import residuals as _res
 from jaxmem._src import schedule as _schedule
 from jaxmem._src.residuals import ScanPlan
 
-_RECOMPUTE_MODES = ("cheap", "none")
+_RECOMPUTE_MODES = ("auto", "cheap", "none")
 
 
 class ForwardModeError(TypeError):
@@ -336,15 +337,6 @@ def _check_offload(offload, fname: str):
     return names
 
 
-def _check_policy(policy, fname: str):
-    if policy is not None and not callable(policy) and not _auto.is_auto(policy):
-        raise TypeError(
-            f"{fname} got policy={checks.describe(policy)}; expected None, 'auto' or a remat "
-            "policy (a jaxmem.policies policy or one of jax.checkpoint_policies)."
-        )
-    return policy
-
-
 def _check_checkpoints(checkpoints, offload, length: int, fname: str) -> int | None:
     """The number of checkpoint slots, or None for the lean VJP (also for an empty scan)."""
     slots = _schedule.check_checkpoints(checkpoints, length, fname)
@@ -362,7 +354,7 @@ def _apply_policy(f, policy, fname: str):
 
     ``policy="auto"`` is resolved here, at trace time, by the active :func:`jaxmem.use_plan`.
     """
-    policy = _auto.resolve(_check_policy(policy, fname), fname)
+    policy = _auto.resolve(_policies.resolve(policy, fname), fname)
     if policy is None:
         return f
     checks.check_callable(f, "the body f(carry, x)", fname)
@@ -399,21 +391,15 @@ def _offload_masks(plan, offload, fname: str):
     if offload == "all":
         return [True] * len(plan.stacked_vars), [True] * n_kept
     # Names: a value is named n when it is the input or the output of checkpoint_name(., n).
-    named: dict = {}
-    found = set()
-    for eqn in _res.iter_eqns(plan.traced.jaxpr):
-        name = _jc.eqn_checkpoint_name(eqn)
-        if name is not None:
-            found.add(name)
-            for v in (*eqn.invars, *eqn.outvars):
-                named.setdefault(v, set()).add(name)
-    missing = sorted(offload - found)
+    found = {_jc.eqn_checkpoint_name(e) for e in _res.iter_eqns(plan.traced.jaxpr)} - {None}
+    missing = sorted(set(offload) - found)
     if missing:
         raise ValueError(
             f"{fname} got offload names {missing} that name no value of the step; the step's "
             f"names are {sorted(found)}. Name values with jaxmem.name(x, name)."
         )
-    mask = [bool(named.get(v, set()) & offload) for v in plan.stacked_vars]
+    named = _res.named_vars(plan.traced.jaxpr, frozenset(offload))
+    mask = [v in named for v in plan.stacked_vars]
     return mask, [False] * n_kept
 
 
@@ -438,6 +424,30 @@ class _Saved(NamedTuple):
     carry_seq: list  # the kept carry sequences (carry-in of every step)
     final_kept: list  # the final carry of the kept leaves (carry-out of the last step)
     init_from_y: list  # init of the carry leaves read from ys
+
+
+def _loop_unroll(length: int, unroll):
+    """The unroll factor of :func:`scan`'s forward and backward loops: ``unroll`` where it
+    divides ``length`` (or unrolls it whole), the whole length where ``unroll`` covers more than
+    half of it, else the largest divisor of ``length`` below ``unroll``.
+
+    ``lax.scan`` runs ``length % unroll`` remainder steps after the unrolled loop by slicing each
+    scanned input in two and concatenating each output: a copy of every stack the forward loop
+    emits and the backward loop reads (1.12x lax.scan's temp at T=21, unroll=2). Unrolling is a
+    speed hint with the same results, so the loops unroll by a divisor instead.
+    """
+    u = int(unroll)
+    if isinstance(unroll, bool) or u <= 1 or length <= u or length % u == 0:
+        return unroll
+    if 2 * u > length:  # One unrolled trip and the rest: unroll it whole instead.
+        return length
+    return max(d for d in range(1, u) if length % d == 0)
+
+
+def _scan_loop(f, init, xs, length: int, reverse: bool, unroll):
+    """``jax.lax.scan`` with the unroll of :func:`_loop_unroll` (no remainder steps)."""
+    unroll = _loop_unroll(length, unroll)
+    return jax.lax.scan(f, init, xs, length=length, reverse=reverse, unroll=unroll)
 
 
 def _primal_scan(vjp, consts, init, xs):
@@ -476,7 +486,10 @@ class _LeanScan:
         """The plan, made on first use (it depends only on the body's input types)."""
         jaxpr = self.body.jaxpr
         in_avals = [v.aval for v in _jc.open_jaxpr(jaxpr).invars]
-        step = _res.plan_step(jaxpr, self.n_consts, self.body.n_carry, in_avals, self.recompute)
+        names = self.offload if isinstance(self.offload, frozenset) else frozenset()
+        step = _res.plan_step(
+            jaxpr, self.n_consts, self.body.n_carry, in_avals, self.recompute, names
+        )
         stacked, carry = _offload_masks(step, self.offload, self.fname)
         if _PLAN_COLLECTORS:  # The summary traces stock lax.scan: only when someone asks.
             summary = self.summary(step)
@@ -491,7 +504,7 @@ class _LeanScan:
         return _res.summarize(step, self.length, _stock_stacked_bytes(self.body, step, self.length))
 
     def _scan(self, f, init, xs, reverse):
-        return jax.lax.scan(f, init, xs, length=self.length, reverse=reverse, unroll=self.unroll)
+        return _scan_loop(f, init, xs, self.length, reverse, self.unroll)
 
     def _primal(self, consts, init, xs):
         return _primal_scan(self, consts, init, xs)
@@ -539,7 +552,7 @@ class _LeanScan:
             ys_read=[y for y, need in zip(ys, step_plan.need_y, strict=True) if need],
             stacked=stacked,
             carry_seq=carry_seq,
-            final_kept=[c for c, keep in zip(final, step_plan.stack_carry, strict=True) if keep],
+            final_kept=[c for c, r in zip(final, step_plan.carry_out_read, strict=True) if r],
             init_from_y=[init[i] for i, _ in step_plan.carry_read_from_y],
         )
         return (final, ys), saved
@@ -607,7 +620,13 @@ class _LeanScan:
                 acc + d_consts[i] for acc, i in zip(ct_consts, float_consts, strict=True)
             ]
             new_ct_carry = [d_carry[i] for i in float_carry]
-            return (new_ct_carry, new_ct_consts, list(c_in)), [d_x[i] for i in float_x]
+            c_out = [c for c, r in zip(c_in, out_read, strict=True) if r]
+            return (new_ct_carry, new_ct_consts, c_out), [d_x[i] for i in float_x]
+
+        # Per kept carry sequence: whether its carry-out is read (the next step's carry-in).
+        out_read = [
+            r for r, k in zip(step_plan.carry_out_read, step_plan.stack_carry, strict=True) if k
+        ]
 
         init_b = (
             # A live leaf's final cotangent can still be a symbolic zero (the loss ignores the
@@ -979,7 +998,7 @@ def scan_residuals(f: Callable, init: Any, xs: Any = None, length: int | None = 
             xs,
             length,
             kwargs.get("unroll", 1),
-            kwargs.get("recompute", "cheap"),
+            kwargs.get("recompute", "auto"),
             fname,
             diff_consts=True,
         )
@@ -1007,7 +1026,7 @@ def scan(
     reverse: bool = False,
     unroll: int | bool = 1,
     *,
-    recompute: str = "cheap",
+    recompute: str = "auto",
     policy: Callable | str | None = None,
     offload: str | tuple[str, ...] | None = None,
     checkpoints: int | str | None = None,
@@ -1017,8 +1036,9 @@ def scan(
     The forward semantics, arguments and checks are those of :func:`jax.lax.scan`. The gradient
     is computed by a custom VJP that does not stack residuals that are xs slices or loop-invariant
     constants, keeps the carry sequence at most once and serves residuals equal to the carry or a
-    ys output from it, recomputes cheap functions of those (with ``recompute="cheap"``), and stacks
-    only the rest: the *partial activations*. :func:`jaxmem.scan_residuals` shows the plan.
+    ys output from it, recomputes cheap functions of those where that costs no step time
+    (``recompute="auto"``), and stacks only the rest: the *partial activations*.
+    :func:`jaxmem.scan_residuals` shows the plan.
 
     Args:
       f: the step, ``f(carry, x) -> (carry, y)``.
@@ -1028,12 +1048,18 @@ def scan(
       reverse: scan from the end of ``xs`` to the start (outputs stay in ``xs`` order).
       unroll: loop unrolling, an int or a bool, passed to :func:`jax.lax.scan` (forward and
         backward loops).
-      recompute: ``"cheap"`` (default) recomputes residuals that are cheap functions
-        (elementwise, convert, transpose, reshape, broadcast, slice, select, compare) of values
-        available in the backward step; ``"none"`` stacks them.
+      recompute: which residuals the backward step recomputes from the values it has, instead
+        of stacking them. ``"cheap"``: every cheap function (elementwise, convert, transpose,
+        reshape, broadcast, slice, select, ordering compare; never an exact float comparison,
+        whose recompute could differ in rounding), the fewest bytes. ``"auto"`` (default): the
+        cheap functions whose recompute fuses into the backward step (not a transpose of a
+        computed value, on CPU) while the recomputes are priced within 5% of the step's time
+        (:mod:`jaxmem._src.recompute_cost`). ``"none"``: stacks them all.
       policy: a remat policy applied to each step, as ``jax.checkpoint(f, policy=policy)``
-        (a :mod:`jaxmem.policies` policy or one of ``jax.checkpoint_policies``); the residuals it
-        saves are then deduplicated as without a policy. ``"auto"``: the policy of the
+        (a :mod:`jaxmem.policies` policy, one of ``jax.checkpoint_policies``, or a preset name
+        such as ``"nothing"``, ``"dots"`` or ``"dots_saveable"``, see
+        :func:`jaxmem.policies.by_name`); the residuals it saves are then deduplicated as
+        without a policy. ``"auto"``: the policy of the
         :func:`jaxmem.use_plan` active when the step is traced, and its ``checkpoints`` where
         this call gives none (no remat outside any plan, with a one-time warning); the plan is
         part of ``jax.jit``'s cache key.
@@ -1115,7 +1141,7 @@ def scan(
     return tree_unflatten(body.carry_tree, final), tree_unflatten(body.y_tree, ys)
 
 
-def scanned(fn: Callable | None = None, *, recompute: str = "cheap", **scan_kwargs):
+def scanned(fn: Callable | None = None, *, recompute: str = "auto", **scan_kwargs):
     """Turns a per-step function ``fn(carry, x)`` into ``g(init, xs, **kw)`` that runs :func:`scan`.
 
     Usable bare (``@jaxmem.scanned``) or with options (``@jaxmem.scanned(recompute="none")``).

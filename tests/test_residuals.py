@@ -1,0 +1,120 @@
+"""Tests of the step plan (:mod:`jaxmem._src.residuals`): what the backward step may recompute."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxmem
+from jaxmem._src import jax_compat as jc
+from jaxmem._src import residuals as R
+from jaxmem._src.listing import saved_residuals
+
+K = np.float32(11.3137)
+
+
+def _step(a, b, c, d):
+    """Two carries and a y; the y locates its row maxima with an exact comparison."""
+    g = 2.0 * ((c @ d) / K)
+    q = (((g + g) * b) @ a) / K
+    s = jnp.maximum(g, 0.1 * g)  # on jax 0.10.2 its JVP compares g and 0.1 * g with s
+    top = jnp.where(s == jnp.max(s, axis=-1, keepdims=True), s, 0.5 * s)
+    return jnp.tanh(s + b), jnp.tanh(q + c), top
+
+
+def _args(seed=0, n=16):
+    r = np.random.default_rng(seed)
+    f = lambda *s: jnp.asarray(r.standard_normal(s), jnp.float32)
+    return f(n, n), f(4, n), f(4, n), f(n, n)
+
+
+def _plan(recompute="cheap"):
+    body = jax.make_jaxpr(_step)(*_args())
+    return R.plan_step(body, 1, 2, [v.aval for v in body.jaxpr.invars], recompute)
+
+
+def _float_equalities(closed):
+    return [
+        e
+        for e in R.iter_eqns(jc.open_jaxpr(closed))
+        if e.primitive.name in ("eq", "ne") and any(R._is_float(v) for v in e.invars)
+    ]
+
+
+def test_exact_float_comparisons_are_kept_not_recomputed():
+    """The backward step never re-evaluates ``eq``/``ne`` of floats: its operands would be
+    recomputed there by another XLA computation than the forward's, equal only up to rounding,
+    and the mask would flip (a quarter of the gradient was lost this way on jax 0.10.2). The
+    forward step computes those masks; the plan keeps them, packed as bits."""
+    plan = _plan()
+    assert _float_equalities(jc.closed_jaxpr(plan.traced.jaxpr, plan.traced.consts))
+    assert not _float_equalities(plan.rebuild)
+    masks = [v for v in plan.stacked_vars if v.aval.dtype == np.dtype(bool)]
+    assert masks and all(R.packs_bits(v.aval) for v in masks)
+
+
+def test_integer_comparisons_stay_cheap():
+    i = jax.make_jaxpr(lambda x: x == 3)(jnp.arange(4)).jaxpr.eqns[0]
+    f = jax.make_jaxpr(lambda x: x == 3.0)(jnp.ones(4)).jaxpr.eqns[0]
+    lt = jax.make_jaxpr(lambda x: x < 3.0)(jnp.ones(4)).jaxpr.eqns[0]
+    assert R._is_cheap(i) and not R._is_cheap(f) and R._is_cheap(lt)
+
+
+@pytest.mark.parametrize("recompute", ["cheap", "none"])
+def test_gradients_with_exact_comparisons_equal_lax_scan(recompute):
+    a, b0, c0, _ = _args(1, 32)
+    ds = jnp.asarray(np.random.default_rng(2).standard_normal((9, 32, 32)), jnp.float32)
+
+    def loss(scan, **kw):
+        def f(a, b0, c0, ds):
+            def step(carry, d):
+                b, c = carry
+                u, w, top = _step(a, b, c, d)
+                return (u, w), top
+
+            (u, w), ys = scan(step, (b0, c0), ds, **kw)
+            return jnp.sum(u**2) + jnp.sum(w**2) + jnp.sum(ys * jnp.cos(ys))
+
+        return f
+
+    want = jax.grad(loss(jax.lax.scan), argnums=(0, 1, 2, 3))(a, b0, c0, ds)
+    got = jax.grad(loss(jaxmem.scan, recompute=recompute), argnums=(0, 1, 2, 3))(a, b0, c0, ds)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(w))))
+
+
+def test_a_pass_through_y_is_read_from_its_input():
+    """nnx.scan returns the layers' state as ys: the backward step reads those values from the
+    xs slices, and the ys stacks are not kept alive for it."""
+
+    def step(c, w):
+        return (jnp.tanh(c @ w),), w
+
+    c, w = jnp.ones((2, 4)), jnp.ones((4, 4))
+    body = jax.make_jaxpr(lambda c, w: (*step(c, w)[0], step(c, w)[1]))(c, w)
+    plan = R.plan_step(body, 0, 1, [v.aval for v in body.jaxpr.invars], "auto")
+    assert plan.need_y == (False,)
+    assert "xs" in plan.res_classes
+
+
+def test_no_final_carry_is_kept_where_no_carry_out_is_read():
+    """Under a remat policy that saves nothing the backward step reads each step's inputs only:
+    the carry sequence is kept, the final carry is not kept beside it."""
+    h0 = jnp.ones((2, 8))
+    ws = jnp.ones((3, 8, 8))
+    step = lambda h, w: (jnp.tanh(h @ w), None)
+
+    def residual_shapes(scan, **kw):
+        loss = lambda h0, ws: jnp.sum(scan(step, h0, ws, **kw)[0])
+        return sorted(r.aval.shape for r in saved_residuals(loss, h0, ws))
+
+    ours = residual_shapes(jaxmem.scan, policy="nothing")
+    stock = residual_shapes(
+        lambda f, *a: jax.lax.scan(
+            jax.checkpoint(f, policy=jax.checkpoint_policies.nothing_saveable), *a
+        )
+    )
+    assert ours == [(3, 2, 8), (3, 8, 8)]  # the carry sequence and the weights
+    assert all(shape in stock for shape in ours)
