@@ -368,7 +368,7 @@ def bench_peers(n: int, d: int, v: int, time_it: bool, rounds: int = PAIRED_ROUN
     """
     s = jax.ShapeDtypeStruct
     args = (s((n, d), jnp.float32), s((d, v), jnp.float32), s((n,), jnp.int32))
-    res: dict[str, Any] = {"N": n, "D": d, "V": v, "tiles": default_tiles(n, v), "rows": {}}
+    res: dict[str, Any] = {"N": n, "D": d, "V": v, "tiles": default_tiles(n, d, v), "rows": {}}
 
     def temp(f, *a):
         return _temp(jax.value_and_grad(f, argnums=(0, 1)), *a)

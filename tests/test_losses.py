@@ -375,7 +375,7 @@ def test_token_tiles_bound_the_temp_whatever_the_token_count():
     # A few [tokens, chunk] blocks, plus the [N] per-token vectors: nothing of size N x chunk.
     assert large <= 4 * block + 4096 * 16, (large, block)
     assert large - small <= (4096 - 512) * 16, (small, large)
-    tile, default_chunk = default_tiles(4096, v)
+    tile, default_chunk = default_tiles(4096, d, v)
     assert temp(4096, None) == temp(4096, tile * default_chunk // chunk)  # the default block
     assert temp(4096, 4096) >= 2 * 4096 * chunk * 4  # vocabulary chunks only: [N, chunk] blocks
 
@@ -395,17 +395,30 @@ def test_token_tile_options_are_checked():
 
 
 @pytest.mark.parametrize(
-    "n,v", [(1, 1), (12, 50), (1000, 32768), (4096, 32768), (8192, 50257), (10**6, 262144)]
+    "n,d,v,dtype",
+    [
+        (1, 1, 1, jnp.float32),
+        (12, 8, 50, jnp.float32),
+        (100, 768, 50257, jnp.float32),
+        (1000, 64, 32768, jnp.float32),
+        (4096, 512, 32768, jnp.float32),
+        (8192, 1024, 32768, jnp.float32),
+        (8192, 768, 50257, jnp.bfloat16),
+        (10**6, 4096, 262144, jnp.bfloat16),
+    ],
 )
-def test_default_tiles_rule(n, v):
-    tokens, chunk = default_tiles(n, v)
-    assert 1 <= tokens <= min(n, 1024) and 1 <= chunk <= min(v, 2048)  # <= tokamax's tile
-    blocks = -(-n // tokens) * -(-v // chunk)
-    if tokens < n:  # several tiles: blocks of >= 512 x 512, no more than ~512 or than tokamax's
-        assert tokens * chunk >= 512 * 512
-        assert blocks <= max(1024, -(-n // 1024) * -(-v // 2048)), blocks
-    else:
-        assert chunk == min(v, 2048)
+def test_default_tiles_rule(n, d, v, dtype):
+    """The largest block (<= 2**20 elements) whose estimated scratch fits x's bytes (or 4 MiB)."""
+    from jaxmem._src.losses import _scratch_bytes  # noqa: PLC0415
+
+    size = np.dtype(dtype).itemsize
+    tokens, chunk = default_tiles(n, d, v, dtype)
+    assert 1 <= tokens <= n and 1 <= chunk <= v and tokens * chunk <= 2**20
+    budget = max(n * d * size, 4 * 2**20)
+    assert _scratch_bytes(tokens, chunk, d, size) <= budget
+    for t, c in ((min(n, 2 * tokens), chunk), (tokens, min(v, 2 * chunk))):  # no larger block
+        if (t, c) != (tokens, chunk):
+            assert t * c > 2**20 or _scratch_bytes(t, c, d, size) > budget, (t, c)
 
 
 def test_explicit_tiles_and_block_bytes_still_rule():
@@ -419,19 +432,23 @@ def test_explicit_tiles_and_block_bytes_still_rule():
         grad = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))
         return grad.lower(*args).compile().memory_analysis().temp_size_in_bytes
 
-    t, c = default_tiles(n, v)
+    t, c = default_tiles(n, d, v)
     assert temp() == temp(chunk_size=c, token_chunk_size=t)
-    assert default_tiles(n, v, block_bytes=16 * 2**20) == (2048, 2048)
+    assert default_tiles(n, d, v, block_bytes=16 * 2**20) == (2048, 2048)
     assert temp(block_bytes=16 * 2**20) == temp(chunk_size=2048, token_chunk_size=2048)
     assert temp(chunk_size=1024) == temp(chunk_size=1024, token_chunk_size=t * c // 1024)
 
 
-def test_default_tiles_equal_naive():
-    """Defaults that tile both ways (3 token tiles, 3 chunks, each last one overlapping)."""
+@pytest.mark.parametrize("block_bytes", [None, 512 * 512 * 4], ids=["default", "block_1MiB"])
+def test_default_tiles_equal_naive(block_bytes):
+    """Default tiles: 3 token tiles, the last overlapping (whole vocabulary chunks); with 1 MiB
+    blocks also 3 chunks, the last overlapping."""
     x, w, b, labels = _data((1100,), v=1500, d=8, seed=3)
-    assert default_tiles(1100, 1500) == (512, 512)
+    want = (512, 1500) if block_bytes is None else (512, 512)
+    assert default_tiles(1100, 8, 1500, block_bytes=block_bytes) == want
+    kw = {"label_smoothing": 0.1, "block_bytes": block_bytes}
     _compare(
-        lambda x, w, b: linear_cross_entropy(x, w, labels, bias=b, label_smoothing=0.1),
+        lambda x, w, b: linear_cross_entropy(x, w, labels, bias=b, **kw),
         lambda x, w, b: _naive(x, w, b, labels, label_smoothing=0.1),
         (0, 1, 2),
         x,

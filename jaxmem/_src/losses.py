@@ -41,11 +41,13 @@ from jaxmem._src import jax_compat as _jc
 
 _CALLER = "linear_cross_entropy"
 _REDUCTIONS = ("mean", "sum", "none")
-# The default tiles (default_tiles): the [N, V] logits cut into about _LOGIT_BLOCKS f32 blocks,
-# no smaller than _MIN_BLOCK elements and no larger than tokamax's chunked_xla tile.
-_LOGIT_BLOCKS = 512
-_MIN_BLOCK = 512 * 512
-_MAX_TOKEN_TILE, _MAX_CHUNK = 1024, 2048  # tokamax 0.0.17 chunked_xla: b_block 1024, v_block 2048
+# The default tiles (default_tiles): blocks of logits of at most _MAX_BLOCK f32 elements (half
+# of tokamax's chunked_xla 1024 x 2048 tile), at least _MIN_BLOCK, sides at most _MAX_SIDE; the
+# estimated scratch within the bytes of x, or _MIN_SCRATCH.
+_MAX_BLOCK = 2**20
+_MIN_BLOCK = 2**16
+_MAX_SIDE = 8192
+_MIN_SCRATCH = 4 * 2**20
 
 
 class _Config(NamedTuple):
@@ -65,31 +67,44 @@ def _pow2_floor(k: int) -> int:
     return 1 << (max(1, k).bit_length() - 1)
 
 
-def _block_elements(num_tokens: int, vocab_size: int, block_bytes: int | None) -> int:
-    """Elements of one default f32 ``[token tile, chunk]`` block (see :func:`default_tiles`)."""
-    if block_bytes is not None:
-        return max(1, block_bytes // 4)
-    blocks = _pow2_floor(num_tokens * vocab_size // _LOGIT_BLOCKS)
-    return min(max(blocks, _MIN_BLOCK), _MAX_TOKEN_TILE * _MAX_CHUNK)
+def _scratch_bytes(tokens: int, chunk: int, dim: int, itemsize: int) -> int:
+    """Estimated temp of the tiled loss's value and gradient (measured on XLA:CPU, f32).
+
+    One f32 ``[tokens, chunk]`` block, the ``[dim, chunk]`` slice of ``w`` (and of ``dw``, updated
+    in place), the ``[tokens, dim]`` slice of ``x`` and two f32 ``[tokens, dim]`` buffers of ``dx``.
+    """
+    return 4 * tokens * chunk + itemsize * chunk * dim + (8 + itemsize) * tokens * dim
+
+
+def _tile_sizes(size: int) -> list[int]:
+    """Candidate tile sizes along a dimension: powers of two up to ``_MAX_SIDE``, and ``size``."""
+    return sorted({min(size, 1 << k) for k in range(_MAX_SIDE.bit_length())})
 
 
 def default_tiles(
-    num_tokens: int, vocab_size: int, block_bytes: int | None = None
+    num_tokens: int,
+    dim: int,
+    vocab_size: int,
+    dtype: Any = jnp.float32,
+    block_bytes: int | None = None,
 ) -> tuple[int, int]:
     """The token tile and vocabulary chunk :func:`linear_cross_entropy` uses by default.
 
-    The ``[num_tokens, vocab_size]`` logits are cut into about 512 f32 blocks of
-    ``[tokens, chunk]``, each at least 512 x 512 (1 MiB) and at most 1024 x 2048 (8 MiB, the tile
-    of tokamax's ``chunked_xla`` loss), as square as powers of two allow; with fewer tokens than
-    that the chunk widens (up to 2048 columns) and one tile holds every token. ``block_bytes``,
-    when given, sets the block's f32 bytes instead. The loop then runs a bounded number of
-    blocks (a loop iteration costs the same whatever its size), and the loss's temporary memory
-    is a few blocks plus the ``[tokens, D]`` and ``[D, chunk]`` slices of ``x``, ``w`` and their
-    gradients: smaller than tokamax's defaults, whose tile is never smaller.
+    The rule: the largest f32 ``[tokens, chunk]`` block of logits (tiles powers of two, or the
+    whole dimension) whose estimated scratch memory (the block, the ``[D, chunk]`` slices of
+    ``w`` and ``dw``, the ``[tokens, D]`` slices of ``x`` and ``dx``) fits in the bytes of ``x``
+    itself (``N * D * itemsize``, at least 4 MiB), up to 2**20 elements (4 MiB, half of tokamax's
+    ``chunked_xla`` 1024 x 2048 tile); among blocks of that size, the one of least scratch. The
+    loss then never needs more scratch than its input takes, and its blocks are as large as that
+    allows (larger blocks run faster: fewer, larger matmuls). ``block_bytes``, when given, sets
+    the block's f32 bytes instead (as square as powers of two allow, up to 1024 tokens and 2048
+    columns per side).
 
     Args:
       num_tokens: N, the number of tokens (the product of ``labels.shape``).
+      dim: D, the hidden size (rows of ``w``).
       vocab_size: V, the number of columns of ``w`` (of its slice, under a vocabulary split).
+      dtype: The dtype of ``x @ w``'s operands (its item size scales the slices).
       block_bytes: The f32 bytes of one block, or None for the rule above.
 
     Returns:
@@ -98,18 +113,36 @@ def default_tiles(
 
     Examples:
       >>> from jaxmem.losses import default_tiles
-      >>> default_tiles(4096, 32768), default_tiles(8192, 32768), default_tiles(65536, 262144)
-      ((512, 512), (512, 1024), (1024, 2048))
-      >>> default_tiles(100, 50257), default_tiles(12, 50)  # few tokens: one tile
-      ((100, 2048), (12, 50))
-      >>> default_tiles(8192, 32768, block_bytes=16 * 2**20)
+      >>> default_tiles(4096, 512, 32768), default_tiles(8192, 1024, 32768)
+      ((512, 1024), (512, 2048))
+      >>> default_tiles(12, 8, 50)  # few tokens: one block
+      (12, 50)
+      >>> default_tiles(8192, 1024, 32768, block_bytes=16 * 2**20)
       (2048, 2048)
     """
-    elems = _block_elements(num_tokens, vocab_size, block_bytes)
-    square = 1 << ((elems.bit_length() - 1) // 2)  # 2 ** floor(log2(elems) / 2)
-    rows = min(num_tokens, square, _MAX_TOKEN_TILE)
-    chunk = min(_MAX_CHUNK, _pow2_floor(elems // max(1, rows)), vocab_size)
-    return min(num_tokens, max(1, elems // chunk)), chunk
+    if block_bytes is not None:
+        elems = max(1, block_bytes // 4)
+        square = 1 << ((elems.bit_length() - 1) // 2)  # 2 ** floor(log2(elems) / 2)
+        rows = min(num_tokens, square, 1024)
+        chunk = min(2048, _pow2_floor(elems // max(1, rows)), vocab_size)
+        return min(num_tokens, max(1, elems // chunk)), chunk
+    itemsize = np.dtype(dtype).itemsize
+    budget = max(num_tokens * dim * itemsize, _MIN_SCRATCH)
+    smallest = min(_MIN_BLOCK, num_tokens * vocab_size)
+
+    def key(tc):
+        est = _scratch_bytes(*tc, dim, itemsize)
+        fits = est <= budget
+        # Fits: the largest block, then the least scratch. None fits: the least scratch.
+        return (fits, tc[0] * tc[1] if fits else 0, -est, tc[0])
+
+    tiles = [
+        (t, c)
+        for t in _tile_sizes(num_tokens)
+        for c in _tile_sizes(vocab_size)
+        if smallest <= t * c <= _MAX_BLOCK
+    ]
+    return max(tiles, key=key)
 
 
 def _describe(a: Any) -> str:
@@ -581,12 +614,15 @@ def _backward(cfg: _Config, x, w, labels, mask, lse, g_loss, g_lse, b):
         g = [lax.dynamic_slice_in_dim(a, start, t) for a in (g_loss, g_lse)]
         # Rows an overlapping last tile repeats add nothing to dw (zero cotangents) and keep
         # the dx they have.
-        g = [jnp.where(new, a, 0.0) for a in g]
+        if overlap:
+            g = [jnp.where(new, a, 0.0) for a in g]
         dx_t, dw, db = _bwd_rows(cfg, rows[0], w, b, rows[1], rows[2], rows[3], *g, dw, db)
-        dx_t = _sum_dx(cfg, dx_t)
-        old = lax.dynamic_slice_in_dim(dx, start, t)
-        dx_t = jnp.where(new[:, None], dx_t.astype(dx.dtype), old)
+        dx_t = _sum_dx(cfg, dx_t).astype(dx.dtype)
+        if overlap:
+            dx_t = jnp.where(new[:, None], dx_t, lax.dynamic_slice_in_dim(dx, start, t))
         return lax.dynamic_update_slice_in_dim(dx, dx_t, start, axis=0), dw, db
+
+    overlap = n % t != 0  # the last tile overlaps the one before it
 
     init = (jnp.zeros_like(x), jnp.zeros_like(w), None if b is None else jnp.zeros_like(b))
     return lax.fori_loop(0, -(-n // t), body, init)
@@ -1032,9 +1068,9 @@ got labels[0, 0] = -100, labels[1, 2] = 50. Mark such tokens with ignore_index o
             raise TypeError(f"{_CALLER}: {name} must be an int, got {type(val).__name__}")
         if val is not None and val <= 0:
             raise ValueError(f"{_CALLER}: {name} must be positive, got {val}")
-    elems = _block_elements(n, v_local, block_bytes)
-    chunk = default_tiles(n, v_local, block_bytes)[1] if chunk_size is None else int(chunk_size)
-    chunk = min(chunk, v_local)
+    dtype = jnp.result_type(x.dtype, w.dtype)
+    default_t, default_c = default_tiles(n, d, v_local, dtype, block_bytes)
+    chunk = min(default_c if chunk_size is None else int(chunk_size), v_local)
     if split is not None:
         if token_chunk_size is not None:
             raise ValueError(
@@ -1044,8 +1080,10 @@ got labels[0, 0] = -100, labels[1, 2] = 50. Mark such tokens with ignore_index o
         tokens = None
     elif token_chunk_size is not None:
         tokens = int(token_chunk_size)
-    else:
-        tokens = max(1, elems // chunk)
+    elif chunk_size is None:
+        tokens = default_t
+    else:  # a given chunk: as many tokens as make a block of the default tiles' size
+        tokens = max(1, default_t * default_c // chunk)
     by_sharding = split is None and _splits_by_sharding(jax.sharding.get_abstract_mesh())
     cfg = _Config(chunk, alpha, zc, cap, token_chunk=tokens, by_sharding=by_sharding)
     loss, lse = _per_token(cfg, split, x2, w, bias, labels1, mask)
