@@ -864,10 +864,10 @@ def linear_cross_entropy(
     reduction, but computed chunk by chunk over the vocabulary with an online log-sum-exp in f32,
     under a :func:`jax.custom_vjp` whose backward pass recomputes each chunk's logits. Tokens
     run in tiles of ``token_chunk_size``, each tile walking the vocabulary in chunks of
-    ``chunk_size`` columns; by default :func:`default_tiles` chooses both (the logits cut into
-    about 512 blocks, each between 512 x 512 and tokamax's 1024 x 2048). The saved residuals
-    are ``x``, ``w``, ``bias``, ``labels``, the token mask and one f32 log-sum-exp per token; the
-    largest temporaries are a few ``[token_chunk_size, chunk_size]`` f32 blocks and the
+    ``chunk_size`` columns; by default :func:`default_tiles` chooses both (the largest block of
+    at most 2**20 f32 logits whose estimated scratch fits in the bytes of ``x``). The saved
+    residuals are ``x``, ``w``, ``bias``, ``labels``, the token mask and one f32 log-sum-exp per
+    token; the largest temporaries are a few ``[token_chunk_size, chunk_size]`` f32 blocks and the
     ``[token_chunk_size, D]`` and ``[D, chunk_size]`` slices of the inputs and gradients.
 
     Per token (``z`` = logits after the optional softcap, ``y`` = label, ``a`` = label_smoothing)::
