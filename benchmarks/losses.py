@@ -1,6 +1,7 @@
 """Benchmarks of jaxmem's losses and selective differentiation against stock JAX / optax.
 
-Usage: ``python -m benchmarks.losses [--json PATH] [--time] [--small] [--sharded]``.
+Usage: ``python -m benchmarks.losses [--json PATH] [--time] [--small]
+[--peers [--shape N,D,V ...] | --tiled | --sharded]``.
 
 (a) ``linear_cross_entropy`` vs the naive
 ``optax.softmax_cross_entropy_with_integer_labels(x @ w, labels).mean()`` (N=8192, D=1024,
@@ -16,17 +17,29 @@ compiled memory of the "full gradients leave the jit, then a masked optax update
 (``optax.multi_transform`` with ``optax.set_to_zero``) in a second jit" pattern vs one jit with
 the gradient of the trainable part only (:func:`jaxmem._src.trainable.trainable`).
 
+``--peers`` (instead of (a) and (b)): ``linear_cross_entropy`` at its defaults against the
+naive loss, tokamax's ``chunked_xla`` at its defaults (tokamax >= 0.0.17) and jax-cce at each
+chunk size of ``CCE_CHUNKS`` (its leanest is the bar), at N=4096 D=512 V=32768 and N=8192
+D=1024 V=32768 f32 (``--shape`` for others): compiled temp of the value and gradient w.r.t. x
+and w; with ``--time``, naive and jaxmem timed interleaved, the median of 21 paired rounds'
+ratios. Bars: temp <= tokamax's and <= jax-cce's leanest, time <= 1.10x naive; the exit status
+says whether they hold.
+
+``--tiled`` (instead of (a) and (b)): token-tiled ``linear_cross_entropy`` (default tiles) vs
+naive, vocabulary chunks only and jax-cce at several chunk sizes (N=8192, D=1024, V=32768).
+
 (c) ``--sharded`` (instead of (a) and (b)): vocabulary-parallel ``linear_cross_entropy`` on 8
 devices, a ``('data', 'model')`` mesh of 2 x 4, x and labels sharded over tokens on ``'data'``, w
 over V on ``'model'`` (same N, D, V): per-device compiled temp of the gradient, naive
 (``optax.softmax_cross_entropy`` against one-hot labels, which also compiles under an Explicit
 mesh) vs jaxmem with ``vocab_axis='model'`` at chunk sizes 1024 (the acceptance figure: <= 1/4
-of naive) and 2048, under an Auto and an Explicit mesh; under Auto also jaxmem without
-``vocab_axis`` at its default chunk size (XLA then all-gathers w). With each, the number of
-all-gathers of the whole w in the compiled HLO and the output sharding of dw. Compiled on
-``jax.ShapeDtypeStruct`` arguments (nothing is allocated), so the full shapes run on CPU. Run as
-``python -m benchmarks.losses --sharded`` the module asks XLA for 8 host devices (unless
-``XLA_FLAGS`` already says how many).
+of naive) and 2048, and the default call (no ``vocab_axis``: under Auto the split is read from
+the shardings when XLA partitions, under Explicit from w's type; bar under Auto: <= 1/4 of
+naive, no all-gather of w, dw sharded like w), under an Auto and an Explicit mesh. With each,
+the number of all-gathers of the whole w in the compiled HLO and the output sharding of dw.
+Compiled on ``jax.ShapeDtypeStruct`` arguments (nothing is allocated), so the full shapes run on
+CPU. Run as ``python -m benchmarks.losses --sharded`` the module asks XLA for 8 host devices
+(unless ``XLA_FLAGS`` already says how many).
 
 ``--small`` shrinks every shape (a smoke test). Prints one table (bytes in MiB, 2^20, as every
 benchmark); ``--json`` writes every figure.
@@ -45,11 +58,13 @@ if __name__ == "__main__" and "--sharded" in sys.argv[1:]:
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import pathlib  # noqa: E402
 import platform  # noqa: E402
 import re  # noqa: E402
+import statistics  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -62,7 +77,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from benchmarks.harness import MIN_REPEATS, format_mib, time_interleaved  # noqa: E402
 from jaxmem._src.listing import saved_residuals  # noqa: E402
-from jaxmem._src.losses import DEFAULT_CHUNK_SIZE, linear_cross_entropy  # noqa: E402
+from jaxmem._src.losses import default_tiles, linear_cross_entropy  # noqa: E402
 from jaxmem._src.trainable import merge, trainable  # noqa: E402
 
 
@@ -106,6 +121,8 @@ def bench_ce(n: int, d: int, v: int, chunk: int) -> dict[str, Any]:
 
 
 SHARDED_MESH = (2, 4)  # ('data', 'model'): 8 devices
+DEFAULT_SHARDED = "jaxmem default (no vocab_axis)"
+SHARDED_BAR = 0.25  # the default call's per-device temp / naive's, under the Auto mesh
 
 
 def _full_gathers(hlo: str, elements: int) -> int:
@@ -155,8 +172,8 @@ def bench_ce_sharded(n: int, d: int, v: int, chunks: Sequence[int]) -> dict[str,
             losses[f"jaxmem_c{chunk}"] = lambda x, w, y, c=chunk: linear_cross_entropy(
                 x, w, y, chunk_size=c, vocab_axis="model"
             )
-        if kind == AxisType.Auto:  # the call as it was before vocab_axis: default chunk size
-            losses[f"jaxmem_c{DEFAULT_CHUNK_SIZE}_no_vocab_axis"] = linear_cross_entropy
+        # The default call: the split read from the shardings (Auto) or from w's type (Explicit).
+        losses[DEFAULT_SHARDED] = linear_cross_entropy
         rows = {}
         with jax.set_mesh(mesh):
             for name, loss in losses.items():
@@ -297,6 +314,147 @@ def _tiled_table(res: dict[str, Any]) -> str:
             fastest = min(cce, key=lambda k: cce[k]["median_s"])
             ratio = tiled["temp"] / cce[fastest]["temp"]
             lines.append(f"  tiled temp / jax-cce at its fastest ({fastest}): {ratio:.3f}")
+    return "\n".join(lines)
+
+
+PEER_SHAPES = ((4096, 512, 32768), (8192, 1024, 32768))
+"""(N, D, V) of the defaults-against-peers comparison (``--peers``)."""
+SMALL_PEER_SHAPES = ((2048, 128, 8192),)
+CCE_CHUNKS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+"""jax-cce chunk sizes swept for its leanest temp (its default is 4096)."""
+PAIRED_ROUNDS = 21
+TIME_BAR = 1.10  # jaxmem's default step time / naive's, median of paired rounds
+
+
+def _tokamax_chunked() -> tuple[Callable | None, str]:
+    """tokamax's ``chunked_xla`` loss at its defaults as ``f(x, w, labels)``, or None and why."""
+    try:
+        import tokamax  # noqa: PLC0415
+    except ImportError:
+        return None, "tokamax not installed"
+
+    def loss(x, w, y):
+        return tokamax.linear_softmax_cross_entropy_loss(
+            x, y, w, reduction="mean", implementation="chunked_xla"
+        )
+
+    s = jax.ShapeDtypeStruct
+    try:  # tokamax < 0.0.17 has no chunked_xla (its only CPU implementation holds the logits)
+        jax.eval_shape(loss, s((8, 4), jnp.float32), s((4, 256), jnp.float32), s((8,), jnp.int32))
+    except ValueError as e:
+        if "chunked_xla" not in str(e):
+            raise
+        return None, f"tokamax {tokamax.__version__} has no chunked_xla"
+    return loss, f"tokamax {tokamax.__version__}"
+
+
+def _jax_cce():
+    try:
+        import jax_cce  # noqa: PLC0415
+    except ImportError:
+        return None
+    return jax_cce
+
+
+def bench_peers(n: int, d: int, v: int, time_it: bool, rounds: int = PAIRED_ROUNDS) -> dict:
+    """``linear_cross_entropy`` at its defaults against naive, tokamax and jax-cce (f32).
+
+    Compiled temp of ``jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))`` on abstract
+    arguments: the naive optax loss, jaxmem at its defaults (:func:`jaxmem.losses.default_tiles`),
+    tokamax's ``chunked_xla`` at its defaults, jax-cce 0.1.0 at every chunk of ``CCE_CHUNKS``
+    (on ``w`` in its own ``[V, D]`` layout, so that no transpose is counted against it; the
+    leanest is the bar). With ``time_it``, naive and jaxmem's value and gradient on the same
+    arguments, interleaved, ``rounds`` paired rounds: the median of the per-round ratios.
+    """
+    s = jax.ShapeDtypeStruct
+    args = (s((n, d), jnp.float32), s((d, v), jnp.float32), s((n,), jnp.int32))
+    res: dict[str, Any] = {"N": n, "D": d, "V": v, "tiles": default_tiles(n, d, v), "rows": {}}
+
+    def temp(f, *a):
+        return _temp(jax.value_and_grad(f, argnums=(0, 1)), *a)
+
+    res["rows"]["naive"] = temp(_naive_ce, *args)
+    res["rows"]["jaxmem"] = temp(linear_cross_entropy, *args)
+    tokamax_loss, res["tokamax"] = _tokamax_chunked()
+    if tokamax_loss is not None:
+        res["rows"]["tokamax"] = temp(tokamax_loss, *args)
+    cce = _jax_cce()
+    if cce is not None:
+        vd = (args[0], s((v, d), jnp.float32), args[2])
+        for c in CCE_CHUNKS:
+            f = functools.partial(cce.linear_cross_entropy, chunk_size=c)
+            res["rows"][f"jax-cce c{c}"] = temp(lambda x, w, y, f=f: f(x, w, y), *vd)
+        cce_rows = {k: t for k, t in res["rows"].items() if k.startswith("jax-cce")}
+        res["jax_cce_leanest"] = min(cce_rows, key=cce_rows.get)
+    if time_it:
+        kx, kw, kl = jax.random.split(jax.random.key(0), 3)
+        x = jax.random.normal(kx, (n, d))
+        w = jax.random.normal(kw, (d, v)) / np.sqrt(d)
+        y = jax.random.randint(kl, (n,), 0, v)
+        fns = {
+            k: jax.jit(jax.value_and_grad(f, argnums=(0, 1)))
+            for k, f in (("naive", _naive_ce), ("jaxmem", linear_cross_entropy))
+        }
+        times = time_interleaved(fns, x, w, y, repeats=rounds)
+        ours, naive = times["jaxmem"].samples_s, times["naive"].samples_s
+        paired = [a / b for a, b in zip(ours, naive, strict=True)]
+        res["time"] = {
+            "rounds": rounds,
+            "naive_median_s": times["naive"].median_s,
+            "jaxmem_median_s": times["jaxmem"].median_s,
+            "paired_ratio_median": statistics.median(paired),
+            "max_rel_err": _max_rel_err(times["jaxmem"].output, times["naive"].output),
+        }
+    return res
+
+
+def _max_rel_err(got, want) -> float:
+    return max(
+        float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+    )
+
+
+def peers_bars(res: dict[str, Any]) -> dict[str, bool]:
+    """The bars of one :func:`bench_peers` result: jaxmem's temp <= tokamax's defaults and
+    <= jax-cce's leanest chunk (each when installed), time <= 1.10x naive (when timed)."""
+    rows, ours = res["rows"], res["rows"]["jaxmem"]
+    bars = {}
+    if "tokamax" in rows:
+        bars["temp <= tokamax defaults"] = ours <= rows["tokamax"]
+    if "jax_cce_leanest" in res:
+        bars["temp <= jax-cce leanest"] = ours <= rows[res["jax_cce_leanest"]]
+    if "time" in res:
+        bars[f"time <= {TIME_BAR}x naive"] = res["time"]["paired_ratio_median"] <= TIME_BAR
+    return bars
+
+
+def _peers_table(results: Sequence[dict[str, Any]]) -> str:
+    lines = [
+        "linear_cross_entropy defaults vs peers "
+        f"(value and grad w.r.t. x, w; f32; jax {jax.__version__})"
+    ]
+    for res in results:
+        rows, ours = res["rows"], res["rows"]["jaxmem"]
+        t, c = res["tiles"]
+        lines.append(
+            f"N={res['N']} D={res['D']} V={res['V']}: jaxmem tiles {t} x {c}; {res['tokamax']}"
+        )
+        for k, b in rows.items():
+            mark = " (leanest)" if k == res.get("jax_cce_leanest") else ""
+            lines.append(
+                f"  {k + mark:<26} temp {format_mib(b):>12}  / naive {b / rows['naive']:.4f}"
+                f"  jaxmem / this {ours / b:.3f}"
+            )
+        if "time" in res:
+            tm = res["time"]
+            lines.append(
+                f"  time: naive {tm['naive_median_s']:.2f} s, jaxmem {tm['jaxmem_median_s']:.2f} s;"
+                f" jaxmem / naive {tm['paired_ratio_median']:.3f} (median of {tm['rounds']} paired"
+                f" rounds), max rel. err {tm['max_rel_err']:.1e}"
+            )
+        for bar, ok in peers_bars(res).items():
+            lines.append(f"  {bar}: {ok}")
     return "\n".join(lines)
 
 
@@ -459,6 +617,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="token-tiled cross-entropy vs naive, vocabulary-only and jax-cce chunk sizes",
     )
     parser.add_argument(
+        "--peers",
+        action="store_true",
+        help="linear_cross_entropy at its defaults vs naive, tokamax and jax-cce (temp, time)",
+    )
+    parser.add_argument(
+        "--shape",
+        action="append",
+        metavar="N,D,V",
+        help="with --peers: run this shape instead of the default ones (repeatable)",
+    )
+    parser.add_argument(
         "--sharded",
         action="store_true",
         help="vocabulary-parallel on 8 devices (x over 'data', w over 'model') instead",
@@ -466,6 +635,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.sharded:
         return _main_sharded(args)
+    if args.peers:
+        return _main_peers(args)
     if args.tiled:
         if args.small:
             res = bench_tiled(512, 32, 2048, (256, 512), repeats=3, time_it=args.time)
@@ -506,6 +677,24 @@ def _write_json(path, **results) -> None:
     path.write_text(json.dumps(out, indent=2))
 
 
+def _main_peers(args: argparse.Namespace) -> int:
+    if args.shape:
+        shapes = [tuple(int(k) for k in sh.split(",")) for sh in args.shape]
+    else:
+        shapes = SMALL_PEER_SHAPES if args.small else PEER_SHAPES
+    rounds = 3 if args.small else PAIRED_ROUNDS
+    results = [bench_peers(*shape, time_it=args.time, rounds=rounds) for shape in shapes]
+    print(_peers_table(results))
+    if args.json:
+        _write_json(args.json, cross_entropy_peers=results)
+    # --small: only the tokamax bar means something at tiny shapes (its tile is fixed; jax-cce's
+    # leanest chunk holds [N, D] plus [N, 32] there, below jaxmem's smallest default block, and
+    # tiny shapes time noise).
+    kept = ("temp <= tokamax",) if args.small else ("",)
+    bars = [ok for r in results for bar, ok in peers_bars(r).items() if bar.startswith(kept)]
+    return 0 if all(bars) else 1
+
+
 def _main_sharded(args: argparse.Namespace) -> int:
     if args.small:
         sh = bench_ce_sharded(256, 32, 4096, (128, 256))
@@ -519,6 +708,17 @@ def _main_sharded(args: argparse.Namespace) -> int:
     )
     shown = ", ".join(f"{kind} {r:.4f}" for kind, r in ratios.items())
     print(f"vocabulary-parallel temp ratio ({chunk}) {shown} <= 1/4, no w all-gather: {ok}")
+    default = sh["auto"][DEFAULT_SHARDED]
+    default_ok = (
+        default["over_naive"] <= SHARDED_BAR
+        and not default["full_w_all_gathers"]
+        and default["dw_spec"] == str(P(None, "model"))
+    )
+    print(
+        f"{DEFAULT_SHARDED} under Auto: temp / naive {default['over_naive']:.4f} <= "
+        f"{SHARDED_BAR}, no w all-gather, dw sharded like w: {default_ok}"
+    )
+    ok = ok and (default_ok or args.small)  # tiny shapes: the default tiles hold every token
     if args.json:
         _write_json(args.json, cross_entropy_sharded=sh)
     return 0 if ok else 1

@@ -12,10 +12,10 @@ Examples:
   2.302585...
 """
 
-from jaxmem._src.losses import DEFAULT_CHUNK_SIZE as DEFAULT_CHUNK_SIZE
+from jaxmem._src.losses import default_tiles as default_tiles
 from jaxmem._src.losses import linear_cross_entropy as linear_cross_entropy
 
 __all__ = [
-    "DEFAULT_CHUNK_SIZE",
+    "default_tiles",
     "linear_cross_entropy",
 ]

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -40,10 +41,13 @@ from jaxmem._src import jax_compat as _jc
 
 _CALLER = "linear_cross_entropy"
 _REDUCTIONS = ("mean", "sum", "none")
-DEFAULT_CHUNK_SIZE = 2048
-"""Default number of vocabulary columns per chunk of :func:`linear_cross_entropy`."""
-DEFAULT_BLOCK_BYTES = 16 * 2**20
-"""Default f32 bytes of one ``[token_chunk, chunk]`` block of :func:`linear_cross_entropy`."""
+# The default tiles (default_tiles): blocks of logits of at most _MAX_BLOCK f32 elements (half
+# of tokamax's chunked_xla 1024 x 2048 tile), at least _MIN_BLOCK, sides at most _MAX_SIDE; the
+# estimated scratch within the bytes of x, or _MIN_SCRATCH.
+_MAX_BLOCK = 2**20
+_MIN_BLOCK = 2**16
+_MAX_SIDE = 8192
+_MIN_SCRATCH = 4 * 2**20
 
 
 class _Config(NamedTuple):
@@ -53,8 +57,92 @@ class _Config(NamedTuple):
     label_smoothing: float
     z_loss: float
     logit_softcap: float | None
-    axis_name: str | None = None  # manual mesh axis over which w's columns are split, if any
+    axis_name: str | tuple[str, ...] | None = None  # mesh axes w's columns are split over, if any
     token_chunk: int | None = None  # tokens per tile (None: all at once)
+    by_sharding: bool = False  # split as the operands are sharded, read when XLA partitions
+    sum_dx: bool = False  # psum dx over axis_name tile by tile (a shard of the partitioned core)
+
+
+def _pow2_floor(k: int) -> int:
+    return 1 << (max(1, k).bit_length() - 1)
+
+
+def _scratch_bytes(tokens: int, chunk: int, dim: int, itemsize: int) -> int:
+    """Estimated temp of the tiled loss's value and gradient (measured on XLA:CPU, f32).
+
+    One f32 ``[tokens, chunk]`` block, the ``[dim, chunk]`` slice of ``w`` (and of ``dw``, updated
+    in place), the ``[tokens, dim]`` slice of ``x`` and two f32 ``[tokens, dim]`` buffers of ``dx``.
+    """
+    return 4 * tokens * chunk + itemsize * chunk * dim + (8 + itemsize) * tokens * dim
+
+
+def _tile_sizes(size: int) -> list[int]:
+    """Candidate tile sizes along a dimension: powers of two up to ``_MAX_SIDE``, and ``size``."""
+    return sorted({min(size, 1 << k) for k in range(_MAX_SIDE.bit_length())})
+
+
+def default_tiles(
+    num_tokens: int,
+    dim: int,
+    vocab_size: int,
+    dtype: Any = jnp.float32,
+    block_bytes: int | None = None,
+) -> tuple[int, int]:
+    """The token tile and vocabulary chunk :func:`linear_cross_entropy` uses by default.
+
+    The rule: the largest f32 ``[tokens, chunk]`` block of logits (tiles powers of two, or the
+    whole dimension) whose estimated scratch memory (the block, the ``[D, chunk]`` slices of
+    ``w`` and ``dw``, the ``[tokens, D]`` slices of ``x`` and ``dx``) fits in the bytes of ``x``
+    itself (``N * D * itemsize``, at least 4 MiB), up to 2**20 elements (4 MiB, half of tokamax's
+    ``chunked_xla`` 1024 x 2048 tile); among blocks of that size, the one of least scratch. The
+    loss then never needs more scratch than its input takes, and its blocks are as large as that
+    allows (larger blocks run faster: fewer, larger matmuls). ``block_bytes``, when given, sets
+    the block's f32 bytes instead (as square as powers of two allow, up to 1024 tokens and 2048
+    columns per side).
+
+    Args:
+      num_tokens: N, the number of tokens (the product of ``labels.shape``).
+      dim: D, the hidden size (rows of ``w``).
+      vocab_size: V, the number of columns of ``w`` (of its slice, under a vocabulary split).
+      dtype: The dtype of ``x @ w``'s operands (its item size scales the slices).
+      block_bytes: The f32 bytes of one block, or None for the rule above.
+
+    Returns:
+      ``(tokens, chunk)``: tokens per tile (at most ``num_tokens``) and vocabulary columns per
+      chunk (at most ``vocab_size``).
+
+    Examples:
+      >>> from jaxmem.losses import default_tiles
+      >>> default_tiles(4096, 512, 32768), default_tiles(8192, 1024, 32768)
+      ((512, 1024), (512, 2048))
+      >>> default_tiles(12, 8, 50)  # few tokens: one block
+      (12, 50)
+      >>> default_tiles(8192, 1024, 32768, block_bytes=16 * 2**20)
+      (2048, 2048)
+    """
+    if block_bytes is not None:
+        elems = max(1, block_bytes // 4)
+        square = 1 << ((elems.bit_length() - 1) // 2)  # 2 ** floor(log2(elems) / 2)
+        rows = min(num_tokens, square, 1024)
+        chunk = min(2048, _pow2_floor(elems // max(1, rows)), vocab_size)
+        return min(num_tokens, max(1, elems // chunk)), chunk
+    itemsize = np.dtype(dtype).itemsize
+    budget = max(num_tokens * dim * itemsize, _MIN_SCRATCH)
+    smallest = min(_MIN_BLOCK, num_tokens * vocab_size)
+
+    def key(tc):
+        est = _scratch_bytes(*tc, dim, itemsize)
+        fits = est <= budget
+        # Fits: the largest block, then the least scratch. None fits: the least scratch.
+        return (fits, tc[0] * tc[1] if fits else 0, -est, tc[0])
+
+    tiles = [
+        (t, c)
+        for t in _tile_sizes(num_tokens)
+        for c in _tile_sizes(vocab_size)
+        if smallest <= t * c <= _MAX_BLOCK
+    ]
+    return max(tiles, key=key)
 
 
 def _describe(a: Any) -> str:
@@ -125,13 +213,14 @@ def _check_inputs(x, w, labels, bias, where, chunk_size, reduction):
                 f"{_CALLER}: where must have the shape of labels {tuple(labels.shape)}, got where "
                 f"with {_describe(where)}"
             )
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)):
-        raise TypeError(
-            f"{_CALLER}: chunk_size must be a positive Python int, got "
-            f"{type(chunk_size).__name__} ({chunk_size!r})"
-        )
-    if chunk_size <= 0:
-        raise ValueError(f"{_CALLER}: chunk_size must be a positive int, got {chunk_size}")
+    if chunk_size is not None:
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)):
+            raise TypeError(
+                f"{_CALLER}: chunk_size must be a positive Python int or None, got "
+                f"{type(chunk_size).__name__} ({chunk_size!r})"
+            )
+        if chunk_size <= 0:
+            raise ValueError(f"{_CALLER}: chunk_size must be a positive int, got {chunk_size}")
     if reduction not in _REDUCTIONS:
         raise ValueError(f"{_CALLER}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     return v
@@ -332,11 +421,22 @@ def _check_labels_concretely(labels, valid, v):
 
 
 def _chunk(i, cfg: _Config, v: int):
-    """Start column and validity mask of chunk ``i`` (the last chunk may overlap the previous)."""
+    """Start column and validity mask of chunk ``i`` (the last chunk may overlap the previous).
+
+    The mask is None when the chunks tile V exactly (nothing to mask).
+    """
     c = cfg.chunk_size
+    if v % c == 0:
+        start = i * c
+        return start, start + jnp.arange(c), None
     start = jnp.minimum(i * c, v - c)
     cols = start + jnp.arange(c)
-    return start, cols, cols >= i * c
+    return start, cols, (cols >= i * c)[None, :]
+
+
+def _valid(colvalid, a, fill):
+    """``a`` where the chunk's columns are valid, else ``fill`` (``a`` itself if all are)."""
+    return a if colvalid is None else jnp.where(colvalid, a, fill)
 
 
 def _chunk_logits(x, w, b, start, cfg: _Config):
@@ -441,13 +541,13 @@ def _forward_rows(cfg: _Config, x, w, b, labels, mask):
         m, s, zy, zsum = carry
         start, cols, colvalid = _chunk(i, cfg, v)
         _, z = _chunk_logits(x, w, b, start, cfg)
-        zm = jnp.where(colvalid[None, :], z, -jnp.inf)
+        zm = _valid(colvalid, z, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(zm, axis=1))
         s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(zm - m_new[:, None]), axis=1)
-        hit = (cols[None, :] + offset == labels[:, None]) & colvalid[None, :]
+        hit = _valid(colvalid, cols[None, :] + offset == labels[:, None], False)
         zy = zy + jnp.sum(jnp.where(hit, z, 0.0), axis=1)
         if cfg.label_smoothing:
-            zsum = zsum + jnp.sum(jnp.where(colvalid[None, :], z, 0.0), axis=1)
+            zsum = zsum + jnp.sum(_valid(colvalid, z, 0.0), axis=1)
         return m_new, s, zy, zsum
 
     # Carries typed like a column of x (its sharding on Explicit meshes), varying over every
@@ -470,22 +570,42 @@ def _forward_rows(cfg: _Config, x, w, b, labels, mask):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _lce_core(cfg: _Config, x, w, b, labels, mask):
     """Per-token loss [N] (0 where ``mask`` is False) and lse [N], both f32."""
-    return _forward(cfg, x, w, b, labels, mask)
+    return _run_forward(cfg, x, w, b, labels, mask)
 
 
 def _lce_fwd(cfg, x, w, b, labels, mask):
-    loss, lse = _forward(cfg, x, w, b, labels, mask)
+    loss, lse = _run_forward(cfg, x, w, b, labels, mask)
     return (loss, lse), (x, w, b, labels, mask, lse)
 
 
 def _lce_bwd(cfg, res, cts):
     x, w, b, labels, mask, lse = res
-    g_loss, g_lse = cts
+    args = (x, w, labels, mask, lse, *cts, b)
+    if cfg.by_sharding:
+        dx, dw, db = _by_sharding(_backward_op, _backward, cfg, *args)
+    else:
+        dx, dw, db = _backward(cfg, *args)
+    return dx, dw, db, None, None
+
+
+def _run_forward(cfg: _Config, x, w, b, labels, mask):
+    if cfg.by_sharding:
+        return _by_sharding(_forward_op, _forward_ops_order, cfg, x, w, labels, mask, b)
+    return _forward(cfg, x, w, b, labels, mask)
+
+
+def _forward_ops_order(cfg: _Config, x, w, labels, mask, b):
+    """:func:`_forward` with its arguments in the order of the custom-partitioned ops."""
+    return _forward(cfg, x, w, b, labels, mask)
+
+
+def _backward(cfg: _Config, x, w, labels, mask, lse, g_loss, g_lse, b):
+    """(dx, dw, db): the cotangents of the core's inputs."""
     n = x.shape[0]
     t = _tiles(cfg, n)
     if t is None:
         dx, dw, db = _bwd_rows(cfg, x, w, b, labels, mask, lse, g_loss, g_lse, None, None)
-        return _psum_to(dx, x).astype(x.dtype), dw, db, None, None
+        return _sum_dx(cfg, _psum_to(dx, x)).astype(x.dtype), dw, db
 
     def body(i, carry):
         dx, dw, db = carry
@@ -494,15 +614,23 @@ def _lce_bwd(cfg, res, cts):
         g = [lax.dynamic_slice_in_dim(a, start, t) for a in (g_loss, g_lse)]
         # Rows an overlapping last tile repeats add nothing to dw (zero cotangents) and keep
         # the dx they have.
-        g = [jnp.where(new, a, 0.0) for a in g]
+        if overlap:
+            g = [jnp.where(new, a, 0.0) for a in g]
         dx_t, dw, db = _bwd_rows(cfg, rows[0], w, b, rows[1], rows[2], rows[3], *g, dw, db)
-        old = lax.dynamic_slice_in_dim(dx, start, t)
-        dx_t = jnp.where(new[:, None], dx_t.astype(dx.dtype), old)
+        dx_t = _sum_dx(cfg, dx_t).astype(dx.dtype)
+        if overlap:
+            dx_t = jnp.where(new[:, None], dx_t, lax.dynamic_slice_in_dim(dx, start, t))
         return lax.dynamic_update_slice_in_dim(dx, dx_t, start, axis=0), dw, db
 
+    overlap = n % t != 0  # the last tile overlaps the one before it
+
     init = (jnp.zeros_like(x), jnp.zeros_like(w), None if b is None else jnp.zeros_like(b))
-    dx, dw, db = lax.fori_loop(0, -(-n // t), body, init)
-    return dx, dw, db, None, None
+    return lax.fori_loop(0, -(-n // t), body, init)
+
+
+def _sum_dx(cfg: _Config, dx):
+    """dx summed over the vocabulary shards, in a shard of the partitioned core."""
+    return lax.psum(dx, cfg.axis_name) if cfg.sum_dx else dx
 
 
 def _bwd_rows(cfg, x, w, b, labels, mask, lse, g_loss, g_lse, dw, db):
@@ -519,11 +647,11 @@ def _bwd_rows(cfg, x, w, b, labels, mask, lse, g_loss, g_lse, dw, db):
         dx, dw, db = carry
         start, cols, colvalid = _chunk(i, cfg, v)
         wc, z = _chunk_logits(x, w, b, start, cfg)
-        p = jnp.where(colvalid[None, :], jnp.exp(z - lse[:, None]), 0.0)
-        hit = (cols[None, :] + offset == labels[:, None]) & colvalid[None, :]
+        p = _valid(colvalid, jnp.exp(z - lse[:, None]), 0.0)
+        hit = _valid(colvalid, cols[None, :] + offset == labels[:, None], False)
         target = (1.0 - alpha) * hit.astype(jnp.float32)
         if alpha:
-            target = target + jnp.where(colvalid[None, :], alpha / v_total, 0.0)
+            target = target + _valid(colvalid, jnp.float32(alpha / v_total), 0.0)
         dz = coef[:, None] * p - gl[:, None] * target
         if cfg.logit_softcap is not None:
             t = z / cfg.logit_softcap
@@ -559,13 +687,165 @@ def _bwd_rows(cfg, x, w, b, labels, mask, lse, g_loss, g_lse, dw, db):
 _lce_core.defvjp(_lce_fwd, _lce_bwd)
 
 
+# --- the split read from the operands' shardings (Auto mesh, no vocab_axis) ----------------------
+#
+# Under an Auto mesh the shardings are not in the types: inside jit nothing tells the traced
+# function how w is laid out. XLA's partitioner knows; jax.experimental.custom_partitioning
+# hands the operands' shardings to a callback when the program is partitioned, and the callback
+# returns the per-shard program. The core's forward and backward passes are two such ops (the
+# custom VJP stays around them): each shard runs the chunked core on its tokens and its slice
+# of the vocabulary, as the vocab_axis path does.
+
+
+def _splits_by_sharding(mesh) -> bool:
+    """An Auto mesh of several devices, outside ``shard_map``: read the split from the shardings."""
+    return (
+        not mesh.empty
+        and math.prod(mesh.shape.values()) > 1
+        and all(kind == AxisType.Auto for kind in mesh.axis_types)
+    )
+
+
+def _sharding_dims(s, ndim: int) -> tuple:
+    """The mesh axes of each dimension of a partition-time operand (none if not a NamedSharding)."""
+    sharding = getattr(s, "sharding", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return ((),) * ndim
+    spec = tuple(sharding.spec)
+    return tuple(map(_dim_axes, spec + (None,) * (ndim - len(spec))))
+
+
+@dataclasses.dataclass(frozen=True)
+class _ShardPlan:
+    """The per-shard program of the partitioned core, read from the shardings of x and w.
+
+    ``vocab``: the mesh axes w's V dimension is split over (each shard walks its slice);
+    ``tokens``: the axes x's tokens are split over, less those. Axes that do not divide the
+    dimension are dropped (that operand is then gathered, as XLA would without this op).
+    """
+
+    mesh: Any
+    vocab: tuple[str, ...]
+    tokens: tuple[str, ...]
+
+    @classmethod
+    def read(cls, mesh, x, w) -> _ShardPlan:
+        def fitting(axes, size):
+            return axes if size % math.prod(mesh.shape[a] for a in axes) == 0 else ()
+
+        vocab = fitting(_sharding_dims(w, 2)[1], w.shape[1])
+        tokens = tuple(a for a in _sharding_dims(x, 2)[0] if a not in vocab)
+        return cls(mesh, vocab, fitting(tokens, x.shape[0]))
+
+    def sharding(self, *dims: str):
+        """NamedSharding of dimensions each ``"t"`` (tokens), ``"v"`` (vocabulary) or ``""``."""
+        axes = {"t": self.tokens, "v": self.vocab, "": ()}
+        entries = (
+            None if not axes[d] else axes[d] if len(axes[d]) > 1 else axes[d][0] for d in dims
+        )
+        return jax.sharding.NamedSharding(self.mesh, P(*entries))
+
+    def local(self, cfg: _Config, v_local: int) -> _Config:
+        """The configuration of one shard's core (its slice of V, the vocabulary axes named)."""
+        axis = None if not self.vocab else self.vocab[0] if len(self.vocab) == 1 else self.vocab
+        return cfg._replace(
+            chunk_size=min(cfg.chunk_size, v_local),
+            axis_name=axis,
+            by_sharding=False,
+            sum_dx=bool(self.vocab),
+        )
+
+
+def _forward_partition(cfg, mesh, arg_shapes, result_shape):
+    del result_shape
+    x, w, _, _, b = arg_shapes
+    plan = _ShardPlan.read(mesh, x, w)
+
+    def shard(x, w, labels, mask, b):
+        return _forward(plan.local(cfg, w.shape[1]), x, w, b, labels, mask)
+
+    tok = plan.sharding("t")
+    args = (plan.sharding("t", ""), plan.sharding("", "v"), tok, tok)
+    args += (None if b is None else plan.sharding("v"),)
+    return mesh, shard, (tok, tok), args
+
+
+def _forward_infer(cfg, mesh, arg_shapes, result_shape):
+    del cfg, result_shape
+    tok = _ShardPlan.read(mesh, *arg_shapes[:2]).sharding("t")
+    return tok, tok
+
+
+def _forward_rule(cfg, mesh, operands, results):
+    del cfg, mesh, results
+    bias = ", v" if len(operands) == 5 else ""
+    return f"n d, e v, n, n{bias} -> n, n", {"reduction_factors": ("d", "e", "v")}
+
+
+def _backward_partition(cfg, mesh, arg_shapes, result_shape):
+    del result_shape
+    x, w, *_, b = arg_shapes
+    plan = _ShardPlan.read(mesh, x, w)
+
+    def shard(x, w, labels, mask, lse, g_loss, g_lse, b):
+        # dx is summed over the vocabulary shards tile by tile (once per row); dw and db over
+        # the token shards once, at the end (chunk by chunk would repeat it for every tile).
+        local = plan.local(cfg, w.shape[1])
+        dx, dw, db = _backward(local, x, w, labels, mask, lse, g_loss, g_lse, b)
+        if plan.tokens:
+            dw, db = lax.psum((dw, db), plan.tokens)
+        return dx, dw, db
+
+    tok = plan.sharding("t")
+    results = (plan.sharding("t", ""), plan.sharding("", "v"))
+    results += (None if b is None else plan.sharding("v"),)
+    args = (*results[:2], tok, tok, tok, tok, tok, results[2])
+    return mesh, shard, results, args
+
+
+def _backward_infer(cfg, mesh, arg_shapes, result_shape):
+    del cfg, result_shape
+    x, w, *_, b = arg_shapes
+    plan = _ShardPlan.read(mesh, x, w)
+    return plan.sharding("t", ""), plan.sharding("", "v"), b and plan.sharding("v")
+
+
+def _backward_rule(cfg, mesh, operands, results):
+    del cfg, mesh, results
+    bias = ", v" if len(operands) == 8 else ""
+    return f"n d, e v, n, n, n, n, n{bias} -> n d, e v{bias}"
+
+
+def _define_op(call, partition, infer, rule):
+    op = custom_partitioning(call, static_argnums=(0,))
+    op.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule)
+    return op
+
+
+_forward_op = _define_op(_forward_ops_order, _forward_partition, _forward_infer, _forward_rule)
+_backward_op = _define_op(_backward, _backward_partition, _backward_infer, _backward_rule)
+
+
+def _by_sharding(op, plain, cfg: _Config, *args):
+    """``op(cfg, *args)``, partitioned by its operands' shardings; ``plain`` under ``jax.vmap``.
+
+    ``custom_partitioning`` has no batching rule: a batched call runs the core unpartitioned.
+    """
+    try:
+        return op(cfg, *args)
+    except NotImplementedError as e:
+        if "custom_partitioning" not in str(e):
+            raise
+    return plain(cfg, *args)
+
+
 def linear_cross_entropy(
     x: jax.Array,
     w: jax.Array,
     labels: jax.Array,
     *,
     bias: jax.Array | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = None,
     ignore_index: int | None = None,
     where: jax.Array | None = None,
     label_smoothing: float = 0.0,
@@ -575,7 +855,7 @@ def linear_cross_entropy(
     return_lse: bool = False,
     vocab_axis: str | None = None,
     token_chunk_size: int | None = None,
-    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    block_bytes: int | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Softmax cross-entropy of ``x @ w (+ bias)`` without materializing the [N, V] logits.
 
@@ -583,10 +863,12 @@ def linear_cross_entropy(
     ``optax.softmax_cross_entropy_with_integer_labels(x @ w + bias, labels)`` followed by the
     reduction, but computed chunk by chunk over the vocabulary with an online log-sum-exp in f32,
     under a :func:`jax.custom_vjp` whose backward pass recomputes each chunk's logits. Tokens
-    run in tiles of ``token_chunk_size`` (by default as many as fit ``block_bytes`` in one f32
-    ``[tile, chunk_size]`` block), each tile walking the vocabulary chunks. The saved
+    run in tiles of ``token_chunk_size``, each tile walking the vocabulary in chunks of
+    ``chunk_size`` columns; by default :func:`default_tiles` chooses both (the largest block of
+    at most 2**20 f32 logits whose estimated scratch fits in the bytes of ``x``). The saved
     residuals are ``x``, ``w``, ``bias``, ``labels``, the token mask and one f32 log-sum-exp per
-    token; the largest temporary is a few ``[token_chunk_size, chunk_size]`` f32 blocks.
+    token; the largest temporaries are a few ``[token_chunk_size, chunk_size]`` f32 blocks and the
+    ``[token_chunk_size, D]`` and ``[D, chunk_size]`` slices of the inputs and gradients.
 
     Per token (``z`` = logits after the optional softcap, ``y`` = label, ``a`` = label_smoothing)::
 
@@ -624,16 +906,24 @@ def linear_cross_entropy(
       is read from ``jax.typeof(w).sharding`` when not given. ``x`` must not be sharded over D nor
       its tokens over the vocabulary axis; ``labels`` and ``where`` must be sharded like ``x``'s
       token dimensions (a ValueError says how to reshard otherwise).
-    - Auto mesh: shardings are not in the types, so ``vocab_axis`` must be given; tokens keep
-      whatever sharding the compiler gives them over the other axes.
+    - Auto mesh (``jax.set_mesh`` of a mesh whose axes are all ``AxisType.Auto``): shardings are
+      not in the types, so without ``vocab_axis`` the split is read from the shardings XLA
+      gives the operands when it partitions the program (the core's forward and backward passes
+      are :func:`jax.experimental.custom_partitioning` ops): each device walks the tokens and
+      the slice of the vocabulary it holds (a ``w`` not sharded over V, e.g. over D, is
+      gathered first; ``dx`` and ``dw`` come back sharded like ``x`` and ``w``). Under
+      :func:`jax.vmap` the core runs unpartitioned (``custom_partitioning`` has no batching
+      rule): pass ``vocab_axis`` there. With ``vocab_axis`` given, tokens keep whatever
+      sharding the compiler gives them over the other axes.
     - Inside ``jax.shard_map`` over ``vocab_axis`` (``check_vma=True``, the default): ``w`` and
       ``bias`` are this shard's slices; ``x``, ``labels`` and ``where`` must be the same on every
       shard of ``vocab_axis``. ``"mean"`` and ``"sum"`` reduce this shard's tokens only: combine
       them over the token axes yourself (e.g. ``reduction="sum"``, then ``jax.lax.psum``).
 
-    Under a mesh, the function runs a ``jax.shard_map`` over the vocabulary axis (and the Explicit
-    axes the tokens are sharded over), every shard running the chunked core on its slice. V must
-    be divisible by the size of the axis.
+    With ``vocab_axis`` (given, or read from an Explicit ``w``'s type), the function runs a
+    ``jax.shard_map`` over the vocabulary axis (and the Explicit axes the tokens are sharded
+    over), every shard running the chunked core on its slice. V must be divisible by the size
+    of the axis.
 
     Not supported: forward-mode differentiation (``jax.jvp``, ``jax.jacfwd``) - a custom VJP
     limit; gradients with respect to ``labels`` or ``where`` (they are integer/boolean).
@@ -643,10 +933,10 @@ def linear_cross_entropy(
       w: Output projection ``[D, V]``, floating.
       labels: Integer class indices of shape ``x.shape[:-1]``.
       bias: Optional ``[V]`` bias added to the logits.
-      chunk_size: Vocabulary columns per chunk (positive int), default ``DEFAULT_CHUNK_SIZE``
-        (2048); clipped to V. Memory scales with ``N * chunk_size``; larger chunks mean fewer,
-        larger matmuls. V need not be a multiple: the last chunk overlaps the one before it and
-        its repeated columns are masked out.
+      chunk_size: Vocabulary columns per chunk (positive int), or None (default): chosen by
+        :func:`default_tiles`; clipped to V. Larger chunks mean fewer, larger matmuls and more
+        memory. V need not be a multiple: the last chunk overlaps the one before it and its
+        repeated columns are masked out.
       ignore_index: Label value whose tokens are ignored (e.g. ``-100``), or None.
       where: Optional boolean mask of shape ``labels.shape``; False tokens are ignored.
       label_smoothing: Smoothing ``a`` in ``[0, 1)`` (optax semantics, above). Static float.
@@ -658,14 +948,14 @@ def linear_cross_entropy(
         every token, masked or not); it is differentiable too.
       vocab_axis: Name of the mesh axis ``w``'s V dimension is sharded over, for the
         vocabulary-parallel loss (above), or None: inferred from ``w``'s type under an Explicit
-        mesh, else no vocabulary split.
-      token_chunk_size: Tokens per tile (positive int), or None (default): chosen so that one
-        f32 ``[token_chunk_size, chunk_size]`` block takes at most ``block_bytes``, i.e.
-        ``max(1, block_bytes // (4 * chunk_size))`` (2048 tokens with the defaults). Fewer
-        tokens than that run as one tile. Not with a vocabulary split (each shard then runs all
-        its tokens at once).
-      block_bytes: The memory target of the default token tile (default
-        ``DEFAULT_BLOCK_BYTES``, 16 MiB).
+        mesh, from the operands' shardings when XLA partitions the program under an Auto mesh,
+        else no vocabulary split.
+      token_chunk_size: Tokens per tile (positive int), or None (default): as many as fit one
+        f32 ``[token_chunk_size, chunk_size]`` block of :func:`default_tiles`' size (or of
+        ``block_bytes``), at least 1. Fewer tokens than that run as one tile. Not with
+        ``vocab_axis`` (each shard then runs all its tokens at once).
+      block_bytes: The f32 bytes of one ``[token_chunk_size, chunk_size]`` block, for the tiles
+        that are not given, or None (default): :func:`default_tiles`' rule.
 
     Returns:
       The loss (a scalar, or ``labels.shape`` for ``"none"``), f32; with ``return_lse``, the pair
@@ -707,8 +997,8 @@ got labels[0, 0] = -100, labels[1, 2] = 50. Mark such tokens with ignore_index o
       Array(nan, dtype=float32)
 
       Vocabulary-parallel on 8 devices, tokens over "data", w's V over "model", under an
-      Explicit mesh (``vocab_axis="model"`` is read from ``w``'s type; under an Auto mesh pass
-      it):
+      Explicit mesh (``vocab_axis="model"`` is read from ``w``'s type; under an Auto mesh, from
+      the arrays' shardings when XLA partitions the program):
 
       >>> from jax.sharding import AxisType, PartitionSpec as P
       >>> mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
@@ -725,6 +1015,12 @@ got labels[0, 0] = -100, labels[1, 2] = 50. Mark such tokens with ignore_index o
       >>> naive = optax.softmax_cross_entropy_with_integer_labels(x @ w, labels).mean()
       >>> bool(jnp.allclose(loss, naive, rtol=1e-5))
       True
+      >>> auto = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+      >>> with jax.set_mesh(auto):  # no vocab_axis: read from the shardings
+      ...     xs, ys = jax.device_put(x, P("data")), jax.device_put(labels, P("data"))
+      ...     loss, (dx, dw) = grad(xs, jax.device_put(w, P(None, "model")), ys)
+      >>> dw.sharding.spec == P(None, "model"), bool(jnp.allclose(loss, naive, rtol=1e-5))
+      (True, True)
 
     References:
       Wijmans et al., 2024. "Cut Your Losses in Large-Vocabulary Language Models" (Apple Cut
@@ -772,7 +1068,9 @@ got labels[0, 0] = -100, labels[1, 2] = 50. Mark such tokens with ignore_index o
             raise TypeError(f"{_CALLER}: {name} must be an int, got {type(val).__name__}")
         if val is not None and val <= 0:
             raise ValueError(f"{_CALLER}: {name} must be positive, got {val}")
-    chunk = min(int(chunk_size), v_local)
+    dtype = jnp.result_type(x.dtype, w.dtype)
+    default_t, default_c = default_tiles(n, d, v_local, dtype, block_bytes)
+    chunk = min(default_c if chunk_size is None else int(chunk_size), v_local)
     if split is not None:
         if token_chunk_size is not None:
             raise ValueError(
@@ -782,9 +1080,12 @@ got labels[0, 0] = -100, labels[1, 2] = 50. Mark such tokens with ignore_index o
         tokens = None
     elif token_chunk_size is not None:
         tokens = int(token_chunk_size)
-    else:
-        tokens = max(1, int(block_bytes) // (4 * chunk))
-    cfg = _Config(chunk, alpha, zc, cap, token_chunk=tokens)
+    elif chunk_size is None:
+        tokens = default_t
+    else:  # a given chunk: as many tokens as make a block of the default tiles' size
+        tokens = max(1, default_t * default_c // chunk)
+    by_sharding = split is None and _splits_by_sharding(jax.sharding.get_abstract_mesh())
+    cfg = _Config(chunk, alpha, zc, cap, token_chunk=tokens, by_sharding=by_sharding)
     loss, lse = _per_token(cfg, split, x2, w, bias, labels1, mask)
     out_of_range = mask & ((labels1 < 0) | (labels1 >= v))
     loss = jnp.where(out_of_range, jnp.nan, loss)
