@@ -16,6 +16,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxmem._src import jax_compat as jc
 from jaxmem.losses import linear_cross_entropy
 
 B, T, D, V = 4, 4, 8, 64  # 16 tokens, 16 vocabulary columns per 'model' shard
@@ -225,7 +226,7 @@ def test_values_and_gradients_match_naive(mode):
         if mode == "explicit":  # gradients are sharded like their inputs, in the types
             specs = [jax.typeof(g).sharding.spec for g in g_ours]
             assert specs == [X_SPEC, W_SPEC, b_spec], (name, specs)
-        else:
+        elif mode != "auto_default" or jc.PARTITIONS_CUSTOM_OPS:  # 0.10.2: XLA's shardings
             assert g_ours[1].sharding.spec == W_SPEC, (mode, name, g_ours[1].sharding)
 
 
@@ -295,8 +296,11 @@ def test_default_call_under_auto_reads_the_split_from_the_shardings():
         c_gather = _compiled_grad(  # the check finds a gather of w where there is one
             mesh, lambda x, w, y: ours(x, jax.lax.with_sharding_constraint(w, P()), y), n
         )
-    assert _full_w_gathers(c_ours.as_text(), D_MEM, V_MEM) == []
     assert _full_w_gathers(c_gather.as_text(), D_MEM, V_MEM)
+    if not jc.PARTITIONS_CUSTOM_OPS:  # jax 0.10.2: the unpartitioned core, w gathered
+        assert _full_w_gathers(c_ours.as_text(), D_MEM, V_MEM)
+        return
+    assert _full_w_gathers(c_ours.as_text(), D_MEM, V_MEM) == []
     dx_sharding, dw_sharding = c_ours.output_shardings
     assert dw_sharding.spec == W_SPEC and dx_sharding.spec == P("data", None)
     t_ours = c_ours.memory_analysis().temp_size_in_bytes
@@ -336,8 +340,9 @@ def test_default_call_under_auto_any_sharding_of_w(w_spec, x_spec):
     for name, go, gr in zip(("dx", "dw"), ours[1], want[1], strict=True):
         _assert_close(go, gr, name)
     dx, dw = ours[1]
-    assert dx.sharding.is_equivalent_to(xs.sharding, 2), dx.sharding
-    assert dw.sharding.is_equivalent_to(ws.sharding, 2), dw.sharding
+    if jc.PARTITIONS_CUSTOM_OPS:  # jax 0.10.2 runs the core unpartitioned: XLA's shardings
+        assert dx.sharding.is_equivalent_to(xs.sharding, 2), dx.sharding
+        assert dw.sharding.is_equivalent_to(ws.sharding, 2), dw.sharding
 
 
 def test_default_call_under_auto_and_vmap():

@@ -698,9 +698,11 @@ _lce_core.defvjp(_lce_fwd, _lce_bwd)
 
 
 def _splits_by_sharding(mesh) -> bool:
-    """An Auto mesh of several devices, outside ``shard_map``: read the split from the shardings."""
+    """An Auto mesh of several devices, outside ``shard_map``: read the split from the shardings
+    (jax >= 0.12: :data:`jaxmem._src.jax_compat.PARTITIONS_CUSTOM_OPS`)."""
     return (
-        not mesh.empty
+        _jc.PARTITIONS_CUSTOM_OPS
+        and not mesh.empty
         and math.prod(mesh.shape.values()) > 1
         and all(kind == AxisType.Auto for kind in mesh.axis_types)
     )
