@@ -257,6 +257,19 @@ def _compiled_grad(mesh, loss, n=N_MEM):
     return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile()
 
 
+def _assert_split_over_v(c_ours, c_naive, n: int) -> tuple[int, int]:
+    """Checks that ``c_ours`` (the compiled gradient of our loss on ``n`` tokens) gathers no
+    whole ``w`` and returns dw sharded like w, dx like x, and that the naive loss holds its
+    [N/2, V/4] f32 logits per device; returns both temps (ours, naive) in bytes."""
+    assert _full_w_gathers(c_ours.as_text(), D_MEM, V_MEM) == []
+    dx_sharding, dw_sharding = c_ours.output_shardings
+    assert dw_sharding.spec == W_SPEC and dx_sharding.spec == P("data", None)
+    t_ours = c_ours.memory_analysis().temp_size_in_bytes
+    t_naive = c_naive.memory_analysis().temp_size_in_bytes
+    assert t_naive >= n // 2 * V_MEM // 4 * 4  # naive holds its [N/2, V/4] f32 logits
+    return t_ours, t_naive
+
+
 def _naive_mean(x, w, labels):
     lp = jax.nn.log_softmax(x @ w, axis=-1)
     return -jnp.mean(jnp.sum(lp * jax.nn.one_hot(labels, w.shape[1]), axis=-1))
@@ -271,12 +284,7 @@ def test_compiled_no_gather_of_w_sharded_dw_and_less_temp(kind):
 
     with jax.set_mesh(mesh):
         c_ours, c_naive = _compiled_grad(mesh, ours), _compiled_grad(mesh, _naive_mean)
-    assert _full_w_gathers(c_ours.as_text(), D_MEM, V_MEM) == []
-    dx_sharding, dw_sharding = c_ours.output_shardings
-    assert dw_sharding.spec == W_SPEC and dx_sharding.spec == P("data", None)
-    t_ours = c_ours.memory_analysis().temp_size_in_bytes
-    t_naive = c_naive.memory_analysis().temp_size_in_bytes
-    assert t_naive >= N_MEM // 2 * V_MEM // 4 * 4  # naive holds its [N/2, V/4] f32 logits
+    t_ours, t_naive = _assert_split_over_v(c_ours, c_naive, N_MEM)
     assert t_ours < t_naive / 2, (t_ours, t_naive)
 
 
@@ -300,12 +308,7 @@ def test_default_call_under_auto_reads_the_split_from_the_shardings():
     if not jc.PARTITIONS_CUSTOM_OPS:  # jax 0.10.2: the unpartitioned core, w gathered
         assert _full_w_gathers(c_ours.as_text(), D_MEM, V_MEM)
         return
-    assert _full_w_gathers(c_ours.as_text(), D_MEM, V_MEM) == []
-    dx_sharding, dw_sharding = c_ours.output_shardings
-    assert dw_sharding.spec == W_SPEC and dx_sharding.spec == P("data", None)
-    t_ours = c_ours.memory_analysis().temp_size_in_bytes
-    t_naive = c_naive.memory_analysis().temp_size_in_bytes
-    assert t_naive >= n // 2 * V_MEM // 4 * 4  # naive holds its [N/2, V/4] f32 logits
+    t_ours, t_naive = _assert_split_over_v(c_ours, c_naive, n)
     assert t_ours <= t_naive / 4, (t_ours, t_naive)
 
 

@@ -48,7 +48,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import source_info_util as _siu
 
 from jaxmem._src import jax_compat as _jc
 from jaxmem._src import rowwise as _rw
@@ -91,19 +90,11 @@ def _inline(jaxpr, consts: Sequence, args: Sequence, outer=None) -> list:
         if eqn.primitive.name in _jc.CALL_PRIMITIVES and len(subs) == 1:
             (sub,) = subs
             closed = sub if _jc.is_closed_jaxpr(sub) else _jc.closed_jaxpr(sub, [])
-            info = (
-                eqn.source_info if outer is None or _jc.summarize_source(eqn.source_info) else outer
-            )
+            info = _rw.source_of(eqn, outer)
             outs = _inline(_jc.open_jaxpr(closed), _jc.jaxpr_consts(closed), invals, info)
         else:
             params = eqn.primitive.get_bind_params(eqn.params)
-            info = eqn.source_info
-            if outer is not None and not _jc.summarize_source(info):
-                info = outer  # inside a library's jit: say where the library was called
-            with _siu.user_context(info.traceback, name_stack=info.name_stack):
-                outs = eqn.primitive.bind(*invals, **params)
-            if not eqn.primitive.multiple_results:
-                outs = [outs]
+            outs = _rw.bind_at(eqn, invals, params, _rw.source_of(eqn, outer))
         for v, x in zip(eqn.outvars, outs, strict=True):
             if not _jc.is_drop_var(v):
                 env[v] = x

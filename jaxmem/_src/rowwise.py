@@ -472,6 +472,22 @@ def rewrite(eqn, out_axes: list, rows: int) -> dict:
     return p
 
 
+def source_of(eqn, outer):
+    """Where a re-bound equation says it comes from: its own source, or, inside a library's jit
+    (no user frame), ``outer``, the library's call; so that a trace of a tail points at the loss."""
+    if outer is None or _jc.summarize_source(eqn.source_info):
+        return eqn.source_info
+    return outer
+
+
+def bind_at(eqn, invals: Sequence, params: dict, info) -> list:
+    """``eqn``'s primitive bound to ``invals`` with ``params``, traced at source ``info``; its
+    outputs as a list."""
+    with _siu.user_context(info.traceback, name_stack=info.name_stack):
+        outs = eqn.primitive.bind(*invals, **params)
+    return outs if eqn.primitive.multiple_results else [outs]
+
+
 def _eval(jaxpr, consts: Sequence, args: Sequence, axes: Axes, rows: int, outer=None) -> list:
     env: dict[Any, Any] = {}
 
@@ -493,23 +509,11 @@ def _eval(jaxpr, consts: Sequence, args: Sequence, axes: Axes, rows: int, outer=
             if all(a is None for a in out_axes):  # shared by every row: runs as written
                 outs = _jc.jaxpr_as_fun(closed)(*invals)
             else:
-                info = (
-                    eqn.source_info
-                    if outer is None or _jc.summarize_source(eqn.source_info)
-                    else outer
-                )
+                info = source_of(eqn, outer)
                 sub = _jc.open_jaxpr(closed)
                 outs = _eval(sub, _jc.jaxpr_consts(closed), invals, axes, rows, info)
         else:
-            # Kept, so that a trace of the tail points at the loss (inside a library's jit: at
-            # the library's call).
-            info = eqn.source_info
-            if outer is not None and not _jc.summarize_source(info):
-                info = outer
-            with _siu.user_context(info.traceback, name_stack=info.name_stack):
-                outs = eqn.primitive.bind(*invals, **rewrite(eqn, out_axes, rows))
-            if not eqn.primitive.multiple_results:
-                outs = [outs]
+            outs = bind_at(eqn, invals, rewrite(eqn, out_axes, rows), source_of(eqn, outer))
         for v, x in zip(eqn.outvars, outs, strict=True):
             if not _jc.is_drop_var(v):
                 env[v] = x

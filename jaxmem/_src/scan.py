@@ -350,7 +350,8 @@ def _check_checkpoints(checkpoints, offload, length: int, fname: str) -> int | N
 
 
 def _has_remat(jaxpr) -> bool:
-    return any(e.primitive.name in ("checkpoint", "remat", "remat2") for e in _res.iter_eqns(jaxpr))
+    """Whether ``jaxpr`` runs a ``jax.checkpoint`` (its primitive is "remat2" on 0.10 and 0.12)."""
+    return any(e.primitive.name == "remat2" for e in _res.iter_eqns(jaxpr))
 
 
 def _pin_invariants(treedef, res: list, at: list, cts, ct_carry) -> list:
