@@ -496,3 +496,24 @@ def test_default_temp_at_most_jax_cce_leanest_chunk():
     }
     ours = _peer_temp(linear_cross_entropy)
     assert ours <= min(theirs.values()), (ours, theirs)
+
+
+@pytest.mark.parametrize(
+    "args,kwargs,error,match",
+    [
+        ((-1, 8, 50), {}, ValueError, "num_tokens must be >= 0, got -1"),
+        ((12, 0, 50), {}, ValueError, "dim must be >= 1, got 0"),
+        ((12, 8, 0), {}, ValueError, "vocab_size must be >= 1, got 0"),
+        ((12, 8, 50), {"block_bytes": 0}, ValueError, "block_bytes must be >= 1, got 0"),
+        ((12.0, 8, 50), {}, TypeError, "num_tokens must be an int, got float"),
+        ((12, 8, True), {}, TypeError, "vocab_size must be an int, got bool"),
+    ],
+)
+def test_default_tiles_rejects_bad_sizes(args, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        default_tiles(*args, **kwargs)
+
+
+def test_default_tiles_of_no_tokens():
+    """An empty batch (what linear_cross_entropy passes for zero tokens) is not an error."""
+    assert default_tiles(0, 8, 50) == (0, 1)

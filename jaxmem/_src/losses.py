@@ -119,7 +119,23 @@ def default_tiles(
       (12, 50)
       >>> default_tiles(8192, 1024, 32768, block_bytes=16 * 2**20)
       (2048, 2048)
+
+    Raises:
+      TypeError: a size that is not an int.
+      ValueError: a negative ``num_tokens``, or ``dim``, ``vocab_size`` or ``block_bytes`` below 1.
     """
+    for name, val, least in (
+        ("num_tokens", num_tokens, 0),
+        ("dim", dim, 1),
+        ("vocab_size", vocab_size, 1),
+        ("block_bytes", block_bytes, 1),
+    ):
+        if val is None and name == "block_bytes":
+            continue
+        if isinstance(val, bool) or not isinstance(val, (int, np.integer)):
+            raise TypeError(f"default_tiles: {name} must be an int, got {type(val).__name__}")
+        if val < least:
+            raise ValueError(f"default_tiles: {name} must be >= {least}, got {val}")
     if block_bytes is not None:
         elems = max(1, block_bytes // 4)
         square = 1 << ((elems.bit_length() - 1) // 2)  # 2 ** floor(log2(elems) / 2)
