@@ -6,7 +6,7 @@
 # gets its own venv (.venv-3.13, .venv-3.11, ...), so versions coexist; each run prints the
 # Python and jax it uses. TEST_ARGS picks what pytest runs (default: the whole suite).
 #   make test-compat   the oldest supported set-up: PYTHON=python3.11 (pip gives jax 0.10.2),
-#                      TEST_ARGS="tests jaxmem README.md": everything but the notebooks and
+#                      TEST_ARGS="tests src/jaxmem README.md": everything but the notebooks and
 #                      the tests of the demo and benchmark scripts (SCRIPT_TESTS)
 #   make test PYTHON=python3.11 TEST_ARGS=tests/test_api.py   any interpreter, any selection
 
@@ -31,7 +31,7 @@ PYTEST_WORKERS ?= 2
 # does not end on one long module. pytest collects a file named twice once.
 SLOW_FIRST = tests/test_planner.py tests/test_flax_nnx_upstream.py tests/test_lm1b.py \
 	tests/test_flax_nnx_memory.py tests/test_multiprocess.py tests/test_heldout_gpt.py
-TEST_ARGS ?= --nbmake notebooks $(SLOW_FIRST) tests jaxmem README.md
+TEST_ARGS ?= --nbmake notebooks $(SLOW_FIRST) tests src/jaxmem README.md
 
 .PHONY: test test-compat demo bench lint format clean
 
@@ -48,7 +48,7 @@ test: $(STAMP)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadscope -q $(TEST_ARGS)
 
 test-compat:
-	$(MAKE) test PYTHON=python3.11 TEST_ARGS="$(SLOW_FIRST) tests jaxmem README.md $(SCRIPT_TESTS)"
+	$(MAKE) test PYTHON=python3.11 TEST_ARGS="$(SLOW_FIRST) tests src/jaxmem README.md $(SCRIPT_TESTS)"
 
 # The tests of the demo and benchmark scripts (code outside the library, whose JAX-dependent
 # parts the library tests cover on both versions) run on the newest Python only: CI time. So

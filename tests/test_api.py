@@ -95,7 +95,7 @@ else:
 
 ROOT = Path(__file__).resolve().parents[1]
 # The one module that may reach into JAX's private internals (jax._src); all else goes through it.
-JAX_COMPAT = ROOT / "jaxmem" / "_src" / "jax_compat.py"
+JAX_COMPAT = ROOT / "src" / "jaxmem" / "_src" / "jax_compat.py"
 
 
 def _imports_jax_src(node):
@@ -113,7 +113,8 @@ def _imports_jax_src(node):
 
 def test_only_jax_compat_imports_jax_src():
     offenders = []
-    for folder in ("jaxmem", "tests", "benchmarks"):
+    for folder in ("src", "tests", "benchmarks"):
+        assert (ROOT / folder).is_dir(), folder
         for path in sorted((ROOT / folder).rglob("*.py")):
             if path == JAX_COMPAT:
                 continue
@@ -124,3 +125,20 @@ def test_only_jax_compat_imports_jax_src():
                 if _imports_jax_src(node)
             ]
     assert not offenders, f"import jax._src outside {JAX_COMPAT.relative_to(ROOT)}: {offenders}"
+
+
+def test_a_clone_named_jaxmem_beside_a_script_does_not_shadow_the_package(tmp_path):
+    # The usual place for a clone is ./jaxmem/ next to one's scripts. Python puts the script's
+    # folder first on sys.path; with the package at the repository root, `import jaxmem` found the
+    # clone as an empty namespace package there. Under src/ it finds the installed package.
+    (tmp_path / "jaxmem").symlink_to(ROOT, target_is_directory=True)
+    script = tmp_path / "train.py"
+    script.write_text("import jaxmem\nprint(jaxmem.__file__)\nprint(jaxmem.scan.__name__)\n")
+    result = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    path, name = result.stdout.split()
+    installed = "site-packages" in path
+    assert installed or Path(path).resolve() == ROOT / "src" / "jaxmem" / "__init__.py", path
+    assert name == "scan"

@@ -1,4 +1,4 @@
-"""Tests of ``python -m jaxmem profile TARGET`` (jaxmem/_src/cli_profile.py).
+"""Tests of ``python -m jaxmem profile TARGET`` (src/jaxmem/_src/cli_profile.py).
 
 The targets are in tests/profile_targets.py.
 """

@@ -1,4 +1,4 @@
-"""Tests for jaxmem.profile / jaxmem.compare (jaxmem/_src/profile.py)."""
+"""Tests for jaxmem.profile / jaxmem.compare (src/jaxmem/_src/profile.py)."""
 
 import collections
 import inspect
