@@ -7,7 +7,7 @@ with the signature of :func:`jax.lax.scan` (e.g. ``jaxmem.scan``). All losses ar
 with respect to every array argument.
 
 Cases register themselves here, in one place, with the :func:`case` decorator; the definitions of
-the first six follow DESIGN.md section 4 exactly. Variants register with :func:`register_variant`.
+the first six follow docs/design.md §4 exactly. Variants register with :func:`register_variant`.
 
 Examples:
   >>> import jax
@@ -204,7 +204,7 @@ def _weight_stack_args() -> tuple[jax.Array, jax.Array]:
 def cast_weights(scan: ScanImpl) -> Callable[..., jax.Array]:
     """Layer stack h = tanh(f32(bf16(h) @ bf16(w))); loss sum(h_L**2).
 
-    As DESIGN.md section 4 writes it (tanh in f32), the stock listing is 42.2 MiB (44.3 MB of
+    As docs/design.md §4 writes it (tanh in f32), the stock listing is 42.2 MiB (44.3 MB of
     1e6 bytes): the bf16 weight copy, bf16 h, and tanh's two f32 residuals. The 40.1 MB
     (38.2 MiB) of section 1 is what the same loop lists with tanh taken in bf16,
     ``tanh(bf16(h) @ bf16(w)).astype(f32)``.
@@ -303,7 +303,7 @@ def prelm_block(scan: ScanImpl) -> Callable[..., jax.Array]:
     """Causal pre-LN transformer blocks (params stacked as xs), no remat; loss mean(x_L**2).
 
     The attention is causal (a language-model block): with the mask, the loop-stacked residuals
-    reproduce DESIGN.md section 1 (163.7 MiB = 171.6 MB without the argument residuals;
+    reproduce docs/design.md §1 (163.7 MiB = 171.6 MB without the argument residuals;
     161.2 MiB = 169.0 MB unmasked).
     """
     return _prelm_loss(scan, None)

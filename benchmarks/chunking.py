@@ -1,7 +1,7 @@
 """Automatic chunking of loss tails: ``jaxmem.autochunk`` against the naive loss and its peers.
 
 ``python -m benchmarks.chunking [--quick] [--no-time] [--json PATH]`` prints four tables, every
-figure measured in this run (DESIGN.md section 3: compiled ``temp_size_in_bytes`` of the jitted
+figure measured in this run (docs/design.md §3: compiled ``temp_size_in_bytes`` of the jitted
 value-and-gradient, times interleaved in one process):
 
 1. Cross-entropy of an LM head at everyone's defaults, ``optax.softmax_cross_entropy_with_

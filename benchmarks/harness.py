@@ -1,6 +1,6 @@
 """Measures benchmark cases: compiled temp bytes, residual bytes and step time, stock vs variants.
 
-What is measured follows DESIGN.md section 3:
+What is measured follows docs/design.md §3:
 
 - temp bytes: ``memory_analysis().temp_size_in_bytes`` of ``jax.jit(jax.grad(loss, argnums=all))``
   (via :func:`jaxmem.profile` on the gradient function), compiled on abstract arguments;
@@ -40,7 +40,7 @@ STOCK = "stock"
 """Label of the reference column, ``make_loss(jax.lax.scan)``."""
 
 MIN_REPEATS = 7
-"""Fewest timed repeats per column (DESIGN.md section 3)."""
+"""Fewest timed repeats per column (docs/design.md §3)."""
 
 MIB = 2**20
 """Bytes in a MiB: the one unit of every benchmark table."""
@@ -87,7 +87,7 @@ def time_interleaved(
 ) -> dict[str, Timing]:
     """Times functions on the same arguments: warm, interleaved, min and median of ``repeats``.
 
-    DESIGN.md section 3: same process; each function is first run once (compiling it if it is
+    docs/design.md §3: same process; each function is first run once (compiling it if it is
     a ``jax.jit`` function; its result is kept), then the timed runs go A B C A B C ..., each
     waited for with :func:`jax.block_until_ready`.
 
@@ -360,7 +360,7 @@ def format_table(results: Sequence[CaseResult], *, timed: bool) -> str:
     Bytes are in MiB (2^20 bytes); ``xR`` is the ratio to the stock figure of the same run.
     ``temp``: compiled temp bytes of the jitted gradient. ``resid``: total of the loss's
     saved-residual listing. ``w/o args``: the same without residuals that are the loss's own
-    arguments (alive anyway; DESIGN.md section 1 counts the rest). ``kept``: what the backward
+    arguments (alive anyway; docs/design.md §1 counts the rest). ``kept``: what the backward
     pass keeps from the loop (:attr:`Column.kept_bytes`). ``time``: step time of the
     jitted gradient, min over repeats for stock; min and median ratios for variants.
     """

@@ -15,8 +15,8 @@ Columns, for each T of ``--lengths`` (default 512 2048 8192):
 - ``equinox checkpointed (k)``: ``equinox.internal.scan(..., kind="checkpointed",
   checkpoints=k)``, when Equinox imports (``pip install jaxmem[bench]``).
 
-Each column: compiled temp bytes of ``jax.jit(jax.grad(loss, argnums=(0, 1, 2)))`` (DESIGN.md
-section 3: ``memory_analysis().temp_size_in_bytes``), as a ratio to ``lax.scan``'s and to
+Each column: compiled temp bytes of ``jax.jit(jax.grad(loss, argnums=(0, 1, 2)))`` (docs/design.md
+§3: ``memory_analysis().temp_size_in_bytes``), as a ratio to ``lax.scan``'s and to
 ``jaxmem.scan``'s; forward + backward time of that compiled gradient (same process, warm, the
 columns interleaved, median of ``--repeats``; :func:`benchmarks.harness.time_interleaved`) as a
 ratio to ``lax.scan``'s and to Equinox's; the gradient's max relative error against
@@ -652,7 +652,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Config]:
         repeats=args.repeats or base.repeats,
     )
     if not args.quick and config.repeats < harness.MIN_REPEATS:
-        parser.error(f"--repeats must be >= {harness.MIN_REPEATS} (DESIGN.md section 3)")
+        parser.error(f"--repeats must be >= {harness.MIN_REPEATS} (docs/design.md §3)")
     if min(config.lengths + config.sweep + (config.checkpoints, config.sweep_length)) < 1:
         parser.error("lengths and checkpoint counts must be positive")
     return args, config

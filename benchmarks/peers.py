@@ -1,7 +1,7 @@
 """Peers benchmark: jaxmem on models and losses written the way other libraries' users write them.
 
 Every figure is of ``jax.value_and_grad`` of a scalar loss, jitted and compiled once on concrete
-arguments: compiled temp bytes (``memory_analysis().temp_size_in_bytes``, DESIGN.md section 3)
+arguments: compiled temp bytes (``memory_analysis().temp_size_in_bytes``, docs/design.md §3)
 and the step time of that compiled function (same process, warm, all implementations of a case
 interleaved round by round; :func:`benchmarks.harness.time_interleaved`). Each case has a
 *stock* row (what a user of plain JAX / Flax / optax writes), optional *peer* rows (another

@@ -1,7 +1,7 @@
 """Reversible layer stacks: ``jaxmem.reversible_scan`` against the same stack scanned.
 
 ``python -m benchmarks.reversible [--quick] [--no-time] [--no-drift] [--json PATH]`` prints,
-every figure measured in this run (DESIGN.md section 3: compiled ``temp_size_in_bytes`` of the
+every figure measured in this run (docs/design.md §3: compiled ``temp_size_in_bytes`` of the
 jitted gradient; times interleaved in one process, medians):
 
 1. Memory against depth (4, 8, 16, 32 layers) of a GPT-style stack in the RevViT / Reformer

@@ -23,7 +23,7 @@ def _repeats(text: str) -> int:
     n = int(text)
     if n < harness.MIN_REPEATS:
         raise argparse.ArgumentTypeError(
-            f"--repeats must be >= {harness.MIN_REPEATS} (DESIGN.md section 3), got {n}"
+            f"--repeats must be >= {harness.MIN_REPEATS} (docs/design.md §3), got {n}"
         )
     return n
 

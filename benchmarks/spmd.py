@@ -12,8 +12,8 @@ on a mesh ``('data', 'model')`` over the first ``n`` devices:
   over ``'model'``, ``o`` and ``w2`` row-sharded, the batch replicated (mesh ``(1, n)``).
 
 The inputs are placed with :func:`jax.device_put` and ``jax.jit(jax.grad(loss))`` is compiled with
-their shardings (the gradients keep the parameters' shardings). Figures per device, as DESIGN.md
-section 3 asks: ``memory_analysis()`` of the compiled SPMD program describes one device's
+their shardings (the gradients keep the parameters' shardings). Figures per device, as
+docs/design.md §3 asks: ``memory_analysis()`` of the compiled SPMD program describes one device's
 partition (at ``n = 2`` FSDP the argument bytes halve), so ``temp`` is the per-device temp bytes
 and ``args`` the per-device argument bytes; step time is timed same process, warm, interleaved
 stock / jaxmem (:func:`benchmarks.harness.time_interleaved`); gradients of jaxmem are checked
@@ -663,7 +663,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Config]:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.repeats < harness.MIN_REPEATS:
-        parser.error(f"--repeats must be >= {harness.MIN_REPEATS} (DESIGN.md section 3)")
+        parser.error(f"--repeats must be >= {harness.MIN_REPEATS} (docs/design.md §3)")
     shapes = QUICK if args.quick else DEFAULT
     devices = tuple(sorted(set(args.devices)))
     available = jax.device_count()

@@ -42,7 +42,7 @@ def test_registering_a_name_twice_fails():
         cases.case(cases._rnn_args, name="rnn_ys")(lambda scan: None)
 
 
-# DESIGN.md section 1's stock figures (MB = 1e6 bytes there), by the JAX version they were
+# docs/design.md §1's stock figures (MB = 1e6 bytes there), by the JAX version they were
 # measured on: jax >= 0.11.1 stores a residual that is a ys output once, 0.11.2 saves one
 # residual for tanh instead of two.
 DESIGN_STOCK_BYTES = {
@@ -55,7 +55,7 @@ DESIGN_STOCK_BYTES = {
 def test_stock_residual_bytes_match_design(name):
     figures = DESIGN_STOCK_BYTES.get(tuple(jax.__version_info__[:2]))
     if figures is None:
-        pytest.skip(f"DESIGN.md quotes no stock figures for jax {jax.__version__}")
+        pytest.skip(f"docs/design.md quotes no stock figures for jax {jax.__version__}")
     # The listing also holds the argument residuals (e.g. W of rnn_ys).
     assert traced_residual_bytes(name) == pytest.approx(figures[name], rel=0.05)
 
@@ -132,7 +132,7 @@ def test_default_variants_follow_jaxmem():
 def test_one_bytes_unit_mib():
     assert harness.MIB == 2**20
     assert harness.format_mib(48 * 2**20) == "48.0 MiB"
-    assert harness.format_mib(16.8e6) == "16.0 MiB"  # DESIGN.md's 16.8 MB
+    assert harness.format_mib(16.8e6) == "16.0 MiB"  # docs/design.md's 16.8 MB
     assert harness.format_mib(512 * 2**10) == "0.500 MiB"
     assert harness.format_mib(None) == "-"
 

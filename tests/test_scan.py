@@ -203,7 +203,7 @@ def rnn_step(p):
     return step
 
 
-# --- DESIGN.md §4 bodies, at tiny shapes ---------------------------------------------------
+# --- docs/design.md §4 bodies, at tiny shapes ---------------------------------------------------
 
 
 @case("rnn_ys")

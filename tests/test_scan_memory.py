@@ -3,7 +3,7 @@
 Every body is compiled twice, as ``jax.jit(jax.grad(loss, argnums=all))`` (or
 ``value_and_grad``) with ``jaxmem.scan`` and with ``jax.lax.scan``, from
 :class:`jax.ShapeDtypeStruct` arguments (nothing runs), and the compiled
-``memory_analysis().temp_size_in_bytes`` (DESIGN.md section 3) must satisfy::
+``memory_analysis().temp_size_in_bytes`` (docs/design.md §3) must satisfy::
 
     jaxmem_temp <= 1.02 * stock_temp + 16 KiB
 
@@ -45,7 +45,7 @@ f32, bf16 = jnp.float32, jnp.bfloat16
 # One-input ops (on an earlier value) and two-input ops (on two earlier values).
 UNARY_OPS = (
     "dot_w",  # v @ w, w [D, D] closed over
-    "dot_wt",  # v @ w.T (JAX stacks the transposed weight per step, DESIGN.md section 1)
+    "dot_wt",  # v @ w.T (JAX stacks the transposed weight per step, docs/design.md §1)
     "dot_w2",  # v @ w2, a second closed-over weight
     "tanh",
     "sin",

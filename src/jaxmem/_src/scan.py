@@ -1,6 +1,6 @@
 """``jaxmem.scan``: a drop-in for :func:`jax.lax.scan` whose VJP stacks only partial activations.
 
-Data flow (see ``DESIGN.md`` §2):
+Data flow (see ``docs/design.md`` §2):
 
 1. The body is traced once to a jaxpr; closed-over traced values (parameters of an outer
    ``jit``/``grad``/``vmap``) become explicit inputs, so they get gradients.
@@ -256,7 +256,7 @@ def _with_zeros(avals, indices, values, length=None, zero=None):
 
 class _Live(NamedTuple):
     """Indices of the cotangents that can be nonzero: float and live (the others are zero in
-    every step, DESIGN.md section 2, step 5)."""
+    every step, docs/design.md §2, step 5)."""
 
     consts: list
     carry: list
@@ -486,7 +486,7 @@ def _primal_scan(vjp, consts, init, xs):
 
 class _LeanScan:
     """The custom VJP of one :func:`scan`: a forward loop that emits the partial activations
-    and a reverse loop that rebuilds each step's residuals from them (DESIGN.md §2)."""
+    and a reverse loop that rebuilds each step's residuals from them (docs/design.md §2)."""
 
     def __init__(self, body, length, reverse, unroll, recompute, offload, fname, spaces=None):
         # The body without its traced constants: they are the custom VJP's first argument, and
