@@ -15,7 +15,7 @@ long on CPU).
 listing of the loss differentiated w.r.t. the trainable part only vs all parameters, and the
 compiled memory of the "full gradients leave the jit, then a masked optax update
 (``optax.multi_transform`` with ``optax.set_to_zero``) in a second jit" pattern vs one jit with
-the gradient of the trainable part only (:func:`jaxmem._src.trainable.trainable`).
+the gradient of the trainable part only (:func:`jaxmem._src.losses.trainable.trainable`).
 
 ``--peers`` (instead of (a) and (b)): ``linear_cross_entropy`` at its defaults against the
 naive loss, tokamax's ``chunked_xla`` at its defaults (tokamax >= 0.0.17) and jax-cce at each
@@ -77,8 +77,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from benchmarks.harness import MIN_REPEATS, format_mib, time_interleaved  # noqa: E402
 from jaxmem._src.listing import saved_residuals  # noqa: E402
-from jaxmem._src.losses import default_tiles, linear_cross_entropy  # noqa: E402
-from jaxmem._src.trainable import merge, trainable  # noqa: E402
+from jaxmem._src.losses.linear_ce import default_tiles, linear_cross_entropy  # noqa: E402
+from jaxmem._src.losses.trainable import merge, trainable  # noqa: E402
 
 
 def _temp(f, *args) -> int:

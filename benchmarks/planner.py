@@ -8,7 +8,7 @@ Models (both next-token cross-entropy, f32, stacks with ``policy="auto"``):
   separate q/k/v projections, rotary embeddings, SwiGLU MLP, untied head), never used while
   developing the planner.
 
-For each model: the presets of :data:`jaxmem._src.planner.PRESETS` are compiled *directly*
+For each model: the presets of :data:`jaxmem._src.remat.planner.PRESETS` are compiled *directly*
 (the stack built with ``policy=<preset>``, not through ``"auto"``), giving each one's compiled
 gradient temp (``memory_analysis().temp_size_in_bytes``) and recompute FLOPs
 (``cost_analysis()["flops"]`` minus the no-remat gradient's). Then ``jaxmem.frontier`` plans for
@@ -48,7 +48,7 @@ import jax.numpy as jnp
 
 import jaxmem
 from benchmarks import harness
-from jaxmem._src.planner import PRESETS, _flops
+from jaxmem._src.remat.planner import PRESETS, _flops
 
 MIB = 2**20
 

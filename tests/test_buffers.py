@@ -1,5 +1,5 @@
-"""jaxmem._src.buffers: XLA's buffer assignment and live ranges, checked against known answers
-and against ``compiled.memory_analysis()``."""
+"""jaxmem._src.profile.buffers: XLA's buffer assignment and live ranges, checked against known
+answers and against ``compiled.memory_analysis()``."""
 
 import os
 import re
@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxmem._src.buffers import (
+from jaxmem._src.profile.buffers import (
     KINDS,
     Buffer,
     BufferDumpError,
@@ -300,7 +300,7 @@ def test_unknown_module(tmp_path):
 
 
 def test_metadata_sources_both_forms():
-    from jaxmem._src.buffers import _metadata, _op_name_parts, _source
+    from jaxmem._src.profile.buffers import _metadata, _op_name_parts, _source
 
     frames = {3: "/a/f.py:7 (loss)"}
     attrs = ', index=2, metadata={op_name="jit(f)/transpose(jvp())/sin" stack_frame_id=3}'
@@ -326,7 +326,7 @@ def test_timeline_counts_shared_slices_once():
         return Buffer(name, size, (size // 4,), "f32", "temp", False, name, name, "", "",
                       start, end, 0, alloc, offset)  # fmt: skip
 
-    from jaxmem._src.buffers import _holders, _timeline
+    from jaxmem._src.profile.buffers import _holders, _timeline
 
     bs = (buf("a", 64, 0, 0, 0, 2), buf("a_alias", 64, 0, 0, 1, 3), buf("b", 32, 0, 64, 2, 2))
     assert _timeline(bs, 5) == (64, 64, 96, 64, 0)

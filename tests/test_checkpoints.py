@@ -1,7 +1,7 @@
 """Checkpointed scans: ``jaxmem.scan(..., checkpoints=k | "sqrt")``.
 
-The schedule (``jaxmem._src.schedule``) is checked against a brute-force dynamic programme of the
-optimal number of forward steps and by simulating its tables; the scan against ``jax.lax.scan``
+The schedule (``jaxmem._src.scan.schedule``) is checked against a brute-force dynamic programme of
+the optimal number of forward steps and by simulating its tables; the scan against ``jax.lax.scan``
 (values and gradients, every case of the corpus of ``test_scan.py``, and longer loops with
 reverse, unroll, pytrees, ``xs=None``, policies, nesting, jit, vmap, meshes); the forward steps
 that run against the schedule's count (:func:`jaxmem.step_counter`); the memory structurally
@@ -23,8 +23,8 @@ from test_offload import lower_text, placements
 from test_scan import CASES, F32_RTOL, Rand, assert_trees_close, values_and_grads_fn
 
 import jaxmem
-from jaxmem._src import schedule
 from jaxmem._src.listing import saved_residuals
+from jaxmem._src.scan import schedule as schedule
 
 # ------------------------------------------------------------------------------------------
 # The schedule.
@@ -109,7 +109,7 @@ def distinct_checkpoints(run, args) -> list:
     """The values of CHECKPOINTS that give distinct programs for the scans of ``run`` (most
     corpus scans have 3 steps, where "sqrt" is 2 and the length is 3)."""
     loss = lambda *a: jax.tree.leaves(run(jaxmem.scan, *a))
-    with jaxmem._src.scan.collect_plans() as plans:
+    with jaxmem._src.scan.api.collect_plans() as plans:
         jax.eval_shape(lambda *a: jax.vjp(loss, *a)[1](loss(*a)), *args)
     lengths = sorted({p.length for p in plans})
     distinct = {}

@@ -1,4 +1,4 @@
-"""Tests of ``python -m jaxmem profile TARGET`` (src/jaxmem/_src/cli_profile.py).
+"""Tests of ``python -m jaxmem profile TARGET`` (src/jaxmem/_src/profile/cli.py).
 
 The targets are in tests/profile_targets.py.
 """
@@ -13,7 +13,7 @@ import pytest
 
 import jaxmem
 from jaxmem import __main__ as cli
-from jaxmem._src import cli_profile
+from jaxmem._src.profile import cli as cli_profile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TARGETS_FILE = pathlib.Path(__file__).resolve().parent / "profile_targets.py"

@@ -104,7 +104,7 @@ def test_the_library_never_imports_the_demo():
     )
     assert result.stdout.strip() == "[]"
     src = pathlib.Path(jaxmem.__file__).parent / "_src"
-    for path in [src.parent / "__init__.py", *sorted(src.glob("*.py"))]:
+    for path in [src.parent / "__init__.py", *sorted(src.rglob("*.py"))]:
         assert "jaxmem.demo" not in path.read_text(), f"{path} mentions jaxmem.demo"
 
 

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 import jaxmem
-from jaxmem._src import schedule
+from jaxmem._src.scan import schedule as schedule
 from jaxmem.flax import linen as jl
 from jaxmem.flax import nnx as jn
 

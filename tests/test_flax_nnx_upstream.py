@@ -17,7 +17,7 @@ import jax
 import pytest
 from flax import nnx
 
-import jaxmem._src.scan as scan_module
+import jaxmem._src.scan.api as scan_module
 from jaxmem.flax import nnx as jn
 from tests.flax_upstream import nnx_transforms_scan as upstream
 

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxmem._src import mincut
-from jaxmem._src.mincut import Op, is_feasible, min_cut
+from jaxmem._src.scan import mincut as mincut
+from jaxmem._src.scan.mincut import Op, is_feasible, min_cut
 
 
 def brute_force(costs, ops, free, unavailable, targets):

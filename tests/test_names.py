@@ -1,11 +1,11 @@
-"""Tests of the checkpoint-name vocabulary (:mod:`jaxmem._src.names`) and the model's tags."""
+"""Tests of the checkpoint-name vocabulary (:mod:`jaxmem._src.remat.names`) and the model's tags."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmem._src.names import ATTENTION_CORE, NAMES, name
+from jaxmem._src.remat.names import ATTENTION_CORE, NAMES, name
 from jaxmem.demo import models
 
 

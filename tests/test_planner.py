@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jaxmem
-from jaxmem._src import auto as _auto
+from jaxmem._src.remat import auto as _auto
 
 NO_REMAT = jaxmem.Plan(no_remat=True)
 PRESETS = ("nothing", "dots_no_batch", "dots", "selective", "everything")
@@ -233,7 +233,7 @@ def test_frontier_marks_the_chosen_plan(tmp_path):
 def test_where_offload_is_measurable_it_joins_the_search_below_full_remat(monkeypatch):
     # CPU cannot measure offload (it is the identity there); pretend it can, to check the
     # search's offload branch: below full remat it tries offloading every name.
-    from jaxmem._src import planner
+    from jaxmem._src.remat import planner as planner
 
     full = jaxmem.plan(_rnn_loss, *RNN_ARGS, budget=2**40, presets=False)
     assert any("offload not measurable here" in n for n in full.notes)

@@ -26,9 +26,9 @@ import pytest
 import jaxmem
 import jaxmem.policies as policies
 from jaxmem._src import jax_compat as _jc
-from jaxmem._src import policies as policies_src
 from jaxmem._src.listing import saved_residuals
-from jaxmem._src.names import NAMES, name
+from jaxmem._src.remat import policies as policies_src
+from jaxmem._src.remat.names import NAMES, name
 from jaxmem.demo import models
 
 B, S, D, A, F, L = 2, 8, 12, 3, 20, 3  # batch, seq, width, heads, MLP width, layers
@@ -575,7 +575,7 @@ def _rope_step(positions):
 def _backward_barriers(step, h0, ws, policy):
     loss = lambda h0, ws: jnp.sum(jaxmem.scan(step, h0, ws, policy=policy)[0] ** 2)
     jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(h0, ws)
-    from jaxmem._src.residuals import iter_eqns  # noqa: PLC0415
+    from jaxmem._src.scan.residuals import iter_eqns  # noqa: PLC0415
 
     return sum(e.primitive.name == "optimization_barrier" for e in iter_eqns(jaxpr.jaxpr))
 

@@ -1,4 +1,4 @@
-"""Tests for jaxmem.profile / jaxmem.compare (src/jaxmem/_src/profile.py)."""
+"""Tests for jaxmem.profile / jaxmem.compare (src/jaxmem/_src/profile/report.py)."""
 
 import collections
 import inspect
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jaxmem
-from jaxmem._src.profile import ProfileError
+from jaxmem._src.profile.report import ProfileError
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -454,7 +454,8 @@ def test_sharded_buffers_are_per_device():
 
 
 def test_unreadable_dump_is_reported_not_hidden(monkeypatch):
-    from jaxmem._src import buffers, profile
+    from jaxmem._src.profile import buffers as buffers
+    from jaxmem._src.profile import report as profile
 
     def broken(lowered):
         return lowered.compile(), buffers.BufferDumpError("could not read x.txt (jax 0)")

@@ -1,4 +1,4 @@
-"""The decisions of ``recompute="auto"`` (:mod:`jaxmem._src.recompute_cost`), structurally.
+"""The decisions of ``recompute="auto"`` (:mod:`jaxmem._src.scan.recompute_cost`), structurally.
 
 Each test reads the plan (what is stacked, what the backward step recomputes), never a clock:
 the step times these decisions protect are measured by ``python -m benchmarks.peers``.
@@ -15,8 +15,8 @@ import pytest
 
 import jaxmem
 from jaxmem._src import jax_compat as jc
-from jaxmem._src import recompute_cost as rc
-from jaxmem._src import residuals as R
+from jaxmem._src.scan import recompute_cost as rc
+from jaxmem._src.scan import residuals as R
 
 N, D, W = 16, 8, 32
 

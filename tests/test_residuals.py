@@ -1,4 +1,5 @@
-"""Tests of the step plan (:mod:`jaxmem._src.residuals`): what the backward step may recompute."""
+"""Tests of the step plan (:mod:`jaxmem._src.scan.residuals`): what the backward step may
+recompute."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import pytest
 
 import jaxmem
 from jaxmem._src import jax_compat as jc
-from jaxmem._src import residuals as R
 from jaxmem._src.listing import saved_residuals
+from jaxmem._src.scan import residuals as R
 
 K = np.float32(11.3137)
 

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 def build_parser() -> argparse.ArgumentParser:
     """Returns the parser of ``python -m jaxmem``."""
-    from jaxmem._src import cli_profile
+    from jaxmem._src.profile import cli as cli_profile
     from jaxmem.demo import cli as demo  # demo code, imported only when the command line runs
 
     parser = argparse.ArgumentParser(

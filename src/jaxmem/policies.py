@@ -4,7 +4,7 @@ Frozen dataclasses (hashable, equal by value, printable, static-argument safe): 
 :data:`nothing`, :data:`everything`, :data:`dots`, :data:`dots_no_batch`; name-based
 :func:`save`, :func:`offload`, :func:`custom` (MaxText's per-name map) and :func:`selective`
 (Korthikanti et al. 2022); the combinator :func:`either` (``a | b``); and :func:`by_name` for
-config files. Names come from the vocabulary in :mod:`jaxmem._src.names` (``jaxmem.name``).
+config files. Names come from the vocabulary in :mod:`jaxmem._src.remat.names` (``jaxmem.name``).
 
 Examples:
   >>> import jaxmem.policies as policies
@@ -12,27 +12,27 @@ Examples:
   either(selective(), offload('decoder_layer_input'))
 """
 
-from jaxmem._src.policies import ACTIONS as ACTIONS
-from jaxmem._src.policies import Custom as Custom
-from jaxmem._src.policies import Dots as Dots
-from jaxmem._src.policies import Either as Either
-from jaxmem._src.policies import Everything as Everything
-from jaxmem._src.policies import Nothing as Nothing
-from jaxmem._src.policies import Offload as Offload
-from jaxmem._src.policies import OffloadFallbackWarning as OffloadFallbackWarning
-from jaxmem._src.policies import Policy as Policy
-from jaxmem._src.policies import Save as Save
-from jaxmem._src.policies import Selective as Selective
-from jaxmem._src.policies import by_name as by_name
-from jaxmem._src.policies import custom as custom
-from jaxmem._src.policies import dots as dots
-from jaxmem._src.policies import dots_no_batch as dots_no_batch
-from jaxmem._src.policies import either as either
-from jaxmem._src.policies import everything as everything
-from jaxmem._src.policies import nothing as nothing
-from jaxmem._src.policies import offload as offload
-from jaxmem._src.policies import save as save
-from jaxmem._src.policies import selective as selective
+from jaxmem._src.remat.policies import ACTIONS as ACTIONS
+from jaxmem._src.remat.policies import Custom as Custom
+from jaxmem._src.remat.policies import Dots as Dots
+from jaxmem._src.remat.policies import Either as Either
+from jaxmem._src.remat.policies import Everything as Everything
+from jaxmem._src.remat.policies import Nothing as Nothing
+from jaxmem._src.remat.policies import Offload as Offload
+from jaxmem._src.remat.policies import OffloadFallbackWarning as OffloadFallbackWarning
+from jaxmem._src.remat.policies import Policy as Policy
+from jaxmem._src.remat.policies import Save as Save
+from jaxmem._src.remat.policies import Selective as Selective
+from jaxmem._src.remat.policies import by_name as by_name
+from jaxmem._src.remat.policies import custom as custom
+from jaxmem._src.remat.policies import dots as dots
+from jaxmem._src.remat.policies import dots_no_batch as dots_no_batch
+from jaxmem._src.remat.policies import either as either
+from jaxmem._src.remat.policies import everything as everything
+from jaxmem._src.remat.policies import nothing as nothing
+from jaxmem._src.remat.policies import offload as offload
+from jaxmem._src.remat.policies import save as save
+from jaxmem._src.remat.policies import selective as selective
 
 __all__ = [
     "ACTIONS",

@@ -305,7 +305,7 @@ def trace_keyed_state(name: str, default: Any, help: str):
     include_in_trace_context=True)`` (same signature on 0.10.2 and 0.12.0.1): a value set with
     ``with state(value):`` is part of ``jax.jit``'s cache key and of the trace caches (e.g.
     ``lax.scan``'s body traces), so a function jitted under one value is traced again under
-    another. No public API gives this; :mod:`jaxmem._src.auto` needs it so that a plan applied
+    another. No public API gives this; :mod:`jaxmem._src.remat.auto` needs it so that a plan applied
     with ``jaxmem.use_plan`` reaches functions jitted before the block.
     """
     from jax._src import config as _config

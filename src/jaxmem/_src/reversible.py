@@ -44,7 +44,7 @@ from jax import lax
 from jax.tree_util import tree_flatten, tree_map, tree_structure, tree_unflatten
 
 from jaxmem._src import checks
-from jaxmem._src.scan import ForwardModeError, _apply_policy
+from jaxmem._src.scan.api import ForwardModeError, _apply_policy
 
 _FORWARD_MODE = (
     "{fn} supports reverse-mode differentiation only (jax.grad, jax.vjp): its memory saving is a "

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxmem
-from jaxmem._src import profile as _profile
+from jaxmem._src.profile import report as _profile
 from jaxmem.demo import models, plots
 
 DEFAULT_OUTPUT = "demo_memory.png"

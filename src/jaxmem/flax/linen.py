@@ -8,10 +8,10 @@ Examples:
   ['remat', 'reversible_layers', 'scan', 'scan_layers']
 """
 
-from jaxmem._src.flax_linen import remat as remat
-from jaxmem._src.flax_linen import scan as scan
-from jaxmem._src.flax_linen import scan_layers as scan_layers
-from jaxmem._src.flax_linen_reversible import reversible_layers as reversible_layers
+from jaxmem._src.flax.linen import remat as remat
+from jaxmem._src.flax.linen import scan as scan
+from jaxmem._src.flax.linen import scan_layers as scan_layers
+from jaxmem._src.flax.linen_reversible import reversible_layers as reversible_layers
 
 __all__ = [
     "remat",

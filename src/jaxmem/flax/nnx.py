@@ -8,12 +8,12 @@ Examples:
   ['ReversibleLayers', 'ScanLayers', 'remat', 'reversible_layers', 'scan', 'scan_layers']
 """
 
-from jaxmem._src.flax_nnx import ScanLayers as ScanLayers
-from jaxmem._src.flax_nnx import remat as remat
-from jaxmem._src.flax_nnx import scan as scan
-from jaxmem._src.flax_nnx import scan_layers as scan_layers
-from jaxmem._src.flax_nnx_reversible import ReversibleLayers as ReversibleLayers
-from jaxmem._src.flax_nnx_reversible import reversible_layers as reversible_layers
+from jaxmem._src.flax.nnx import ScanLayers as ScanLayers
+from jaxmem._src.flax.nnx import remat as remat
+from jaxmem._src.flax.nnx import scan as scan
+from jaxmem._src.flax.nnx import scan_layers as scan_layers
+from jaxmem._src.flax.nnx_reversible import ReversibleLayers as ReversibleLayers
+from jaxmem._src.flax.nnx_reversible import reversible_layers as reversible_layers
 
 __all__ = [
     "ReversibleLayers",

@@ -1,13 +1,13 @@
 """What a recompute costs: the price list behind ``jaxmem.scan(recompute="auto")``.
 
-The min-cut of :mod:`jaxmem._src.residuals` minimises the bytes kept per step over the values the
-backward step may recompute. With ``recompute="cheap"`` that is every cheap equation (elementwise,
-data movement); with ``"auto"`` (the default) it is those whose recompute is nearly free, in the
-sense of He & Yu's fusion-aware checkpointing: a chain of elementwise operations recomputed in the
-backward step fuses into the fusion that reads its inputs, so it costs its arithmetic (memory
-traffic is what a stored value would have cost anyway), and a recompute that cannot fuse costs a
-pass over memory of its own. Two rules follow (:func:`plan_filter`, then the cut of
-``residuals._priced_cut``):
+The min-cut of :mod:`jaxmem._src.scan.residuals` minimises the bytes kept per step over the values
+the backward step may recompute. With ``recompute="cheap"`` that is every cheap equation
+(elementwise, data movement); with ``"auto"`` (the default) it is those whose recompute is nearly
+free, in the sense of He & Yu's fusion-aware checkpointing: a chain of elementwise operations
+recomputed in the backward step fuses into the fusion that reads its inputs, so it costs its
+arithmetic (memory traffic is what a stored value would have cost anyway), and a recompute that
+cannot fuse costs a pass over memory of its own. Two rules follow (:func:`plan_filter`, then the cut
+of ``residuals._priced_cut``):
 
 1. **A layout change of a computed value is kept, not recomputed** (where
    :attr:`CostModel.fused_transpose` is False). A transpose does not fuse into its consumer on

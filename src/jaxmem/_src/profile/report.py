@@ -28,16 +28,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmem._src import checks
-from jaxmem._src.buffers import (
+from jaxmem._src.listing import ORIGINS, SavedResidual, saved_residuals, short_source
+from jaxmem._src.profile.buffers import (
     Buffer,
     BufferDumpError,
     BufferGroup,
     BufferReport,
     compile_with_buffers,
 )
-from jaxmem._src.listing import ORIGINS, SavedResidual, saved_residuals, short_source
-from jaxmem._src.residuals import ScanPlan
-from jaxmem._src.scan import collect_plans
+from jaxmem._src.scan.api import collect_plans
+from jaxmem._src.scan.residuals import ScanPlan
 
 __all__ = ["Comparison", "MemoryReport", "ProfileError", "Residual", "compare", "profile"]
 
@@ -77,7 +77,7 @@ class ProfileError(RuntimeError):
 
     Examples:
         >>> import jaxmem
-        >>> from jaxmem._src.profile import ProfileError
+        >>> from jaxmem._src.profile.report import ProfileError
         >>> import jax.numpy as jnp
         >>> def bad(x):
         ...     return x @ x  # (2, 3) @ (2, 3): shapes do not match

@@ -17,7 +17,7 @@ Shapes use ``b`` batch, ``s`` sequence, ``d`` model width, ``a`` heads, ``k`` he
 
 Examples:
   >>> import jax.numpy as jnp
-  >>> from jaxmem._src.names import NAMES, name
+  >>> from jaxmem._src.remat.names import NAMES, name
   >>> NAMES["qkv_proj"]
   'fused query/key/value projection output, [b, s, 3, a, k] (or any layout holding q, k and v)'
   >>> name(jnp.ones(3), "qkv_proj").shape
@@ -114,7 +114,7 @@ def check_name(
     if value not in NAMES and not allow_unknown:
         raise ValueError(
             f"{caller}: unknown checkpoint name {value!r}; the standard names are {_names_list()} "
-            "(see jaxmem._src.names.NAMES for their meanings). To use a name of your own, pass "
+            "(see jaxmem.NAMES for their meanings). To use a name of your own, pass "
             "allow_unknown=True."
         )
     return value
@@ -165,7 +165,7 @@ def name(x: Any, name: str, *, allow_unknown: bool = False) -> Any:
 
     Examples:
       >>> import jax, jax.numpy as jnp
-      >>> from jaxmem._src.names import name
+      >>> from jaxmem._src.remat.names import name
       >>> def mlp(x, w):
       ...     return jnp.sum(jnp.tanh(name(x @ w, "mlp_in")))
       >>> policy = jax.checkpoint_policies.save_only_these_names("mlp_in")

@@ -4,7 +4,7 @@ Data flow (see ``docs/design.md`` §2):
 
 1. The body is traced once to a jaxpr; closed-over traced values (parameters of an outer
    ``jit``/``grad``/``vmap``) become explicit inputs, so they get gradients.
-2. :func:`jaxmem._src.residuals.plan_step` traces the step's VJP and decides, for each
+2. :func:`jaxmem._src.scan.residuals.plan_step` traces the step's VJP and decides, for each
    residual, whether the backward step reads it from an xs slice, a constant, the carry sequence,
    a ys output, recomputes it cheaply, or needs it stacked (a *partial activation*).
 3. Forward: a :func:`jax.lax.scan` that emits ys, the partial activations and, for the carry
@@ -30,14 +30,14 @@ import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.tree_util import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
-from jaxmem._src import auto as _auto
 from jaxmem._src import checks
 from jaxmem._src import jax_compat as _jc
 from jaxmem._src import listing as _listing
-from jaxmem._src import policies as _policies
-from jaxmem._src import residuals as _res
-from jaxmem._src import schedule as _schedule
-from jaxmem._src.residuals import ScanPlan
+from jaxmem._src.remat import auto as _auto
+from jaxmem._src.remat import policies as _policies
+from jaxmem._src.scan import residuals as _res
+from jaxmem._src.scan import schedule as _schedule
+from jaxmem._src.scan.residuals import ScanPlan
 
 _RECOMPUTE_MODES = ("auto", "cheap", "none")
 
@@ -1093,7 +1093,7 @@ def scan(
         whose recompute could differ in rounding), the fewest bytes. ``"auto"`` (default): the
         cheap functions whose recompute fuses into the backward step (not a transpose of a
         computed value, on CPU) while the recomputes are priced within 5% of the step's time
-        (:mod:`jaxmem._src.recompute_cost`). ``"none"``: stacks them all.
+        (:mod:`jaxmem._src.scan.recompute_cost`). ``"none"``: stacks them all.
       policy: a remat policy applied to each step, as ``jax.checkpoint(f, policy=policy)``
         (a :mod:`jaxmem.policies` policy, one of ``jax.checkpoint_policies``, or a preset name
         such as ``"nothing"``, ``"dots"`` or ``"dots_saveable"``, see

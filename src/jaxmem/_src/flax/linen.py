@@ -42,8 +42,8 @@ from flax.core import FrozenDict, axes_scan, lift, meta
 from flax.core.scope import Scope
 from jax.tree_util import keystr, tree_flatten_with_path
 
-from jaxmem._src import policies as _policies
-from jaxmem._src import scan as _scan
+from jaxmem._src.remat import policies as _policies
+from jaxmem._src.scan import api as _scan
 
 broadcast = nn.broadcast
 

@@ -19,14 +19,14 @@ from flax.core import FrozenDict
 from flax.nnx import spmd
 from jax.tree_util import tree_flatten_with_path
 
-from jaxmem._src.flax_linen import _check_length
-from jaxmem._src.flax_linen_reversible import (
+from jaxmem._src.flax.linen import _check_length
+from jaxmem._src.flax.linen_reversible import (
     _check_block_output,
     _check_options,
     _check_streams,
     _run,
 )
-from jaxmem._src.flax_nnx import _check_transform_metadata
+from jaxmem._src.flax.nnx import _check_transform_metadata
 
 
 def _check_make(make: Any, what: str, fname: str):

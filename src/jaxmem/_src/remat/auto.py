@@ -10,8 +10,8 @@ The state is part of ``jax.jit``'s cache key (and of JAX's trace caches), like
 inside one is traced again with the plan's policy, and the other way round.
 
 Examples:
-  >>> from jaxmem._src import auto
-  >>> from jaxmem._src.policies import nothing
+  >>> from jaxmem._src.remat import auto
+  >>> from jaxmem._src.remat.policies import nothing
   >>> with auto.use_setting(auto.Setting(nothing)):
   ...     auto.resolve("auto", "f")
   nothing

@@ -50,10 +50,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxmem._src import auto as _auto
 from jaxmem._src import jax_compat as _jc
 from jaxmem._src import offload as _offload
-from jaxmem._src import policies as _policies
+from jaxmem._src.remat import auto as _auto
+from jaxmem._src.remat import policies as _policies
 
 PRESETS = ("nothing", "dots_no_batch", "dots", "selective", "everything")
 """The :mod:`jaxmem.policies` presets every search measures (``nothing`` is full remat)."""

@@ -39,15 +39,15 @@ from flax.nnx.transforms import iteration as _nnx_iteration  # flax-private: see
 from flax.typing import Missing
 from jax.tree_util import tree_flatten, tree_flatten_with_path, tree_unflatten
 
-from jaxmem._src import auto as _auto
 from jaxmem._src import jax_compat as _jc
-from jaxmem._src import policies as _policies
-from jaxmem._src import scan as _scan
-from jaxmem._src.flax_linen import (
+from jaxmem._src.flax.linen import (
     _check_checkpoints,
     _check_length,
     _check_scan_options,
 )
+from jaxmem._src.remat import auto as _auto
+from jaxmem._src.remat import policies as _policies
+from jaxmem._src.scan import api as _scan
 
 
 def _check_stack(layers: Any, length: int, fname: str):

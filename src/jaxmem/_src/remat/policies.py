@@ -13,13 +13,13 @@ instances (:data:`nothing`, :data:`everything`, :data:`dots`, :data:`dots_no_bat
 with parameters are built by functions (:func:`save`, :func:`offload`, :func:`custom`,
 :func:`selective`); :func:`either` (or ``a | b``) combines them and :func:`by_name` picks one by
 its string name, for config files. Name-based policies select values tagged with
-:func:`jaxmem._src.names.name` and check the names against the vocabulary
-(:data:`jaxmem._src.names.NAMES`).
+:func:`jaxmem._src.remat.names.name` and check the names against the vocabulary
+(:data:`jaxmem._src.remat.names.NAMES`).
 
 Examples:
   >>> import jax, jax.numpy as jnp
-  >>> from jaxmem._src import policies
-  >>> from jaxmem._src.names import name
+  >>> from jaxmem._src.remat import policies
+  >>> from jaxmem._src.remat.names import name
   >>> def layer(x, w):
   ...     return jnp.tanh(name(x @ w, "mlp_in")).sum()
   >>> policy = policies.save("mlp_in")
@@ -45,7 +45,7 @@ import jax
 from jax.ad_checkpoint import Offloadable, Recompute, Saveable
 
 from jaxmem._src import jax_compat as _jc
-from jaxmem._src.names import ATTENTION_CORE, check_name, check_names
+from jaxmem._src.remat.names import ATTENTION_CORE, check_name, check_names
 
 ACTIONS = ("device", "offload", "remat")
 """What :func:`custom` can do with a value: keep it on device, offload it to host, recompute it."""
@@ -423,7 +423,7 @@ def save(*names: str, allow_unknown: bool = False) -> Save:
     The name-checked ``jax.checkpoint_policies.save_only_these_names``.
 
     Args:
-      *names: checkpoint names (:data:`jaxmem._src.names.NAMES`), e.g. ``"qkv_proj"``.
+      *names: checkpoint names (:data:`jaxmem._src.remat.names.NAMES`), e.g. ``"qkv_proj"``.
       allow_unknown: accept names outside the vocabulary.
 
     Returns:
@@ -435,7 +435,7 @@ def save(*names: str, allow_unknown: bool = False) -> Save:
 
     Examples:
       >>> import jax
-      >>> from jaxmem._src.names import name
+      >>> from jaxmem._src.remat.names import name
       >>> def f(x):
       ...     return jax.numpy.sin(name(jax.numpy.sin(x), "mlp_act"))
       >>> jax.ad_checkpoint.print_saved_residuals(jax.checkpoint(f, policy=save("mlp_act")), 1.0)
@@ -466,7 +466,7 @@ def offload(*names: str, allow_unknown: bool = False) -> Offload:
     output: the output is the next layer's input, already kept as the scan carry.
 
     Args:
-      *names: checkpoint names (:data:`jaxmem._src.names.NAMES`).
+      *names: checkpoint names (:data:`jaxmem._src.remat.names.NAMES`).
       allow_unknown: accept names outside the vocabulary.
 
     Returns:
@@ -478,7 +478,7 @@ def offload(*names: str, allow_unknown: bool = False) -> Offload:
 
     Examples:
       >>> import jax, jax.numpy as jnp
-      >>> from jaxmem._src.names import name
+      >>> from jaxmem._src.remat.names import name
       >>> def f(x):
       ...     return jnp.sin(name(jnp.sin(x), "mlp_act")).sum()
       >>> policy = offload("mlp_act")
@@ -595,7 +595,7 @@ def custom(
 def selective(*, also_recompute: Iterable[str] = (), allow_unknown: bool = False) -> Selective:
     """Selective activation recomputation (Korthikanti et al. 2022): recompute attention's core.
 
-    Keeps every *named* activation of a layer (:data:`jaxmem._src.names.NAMES`) except the
+    Keeps every *named* activation of a layer (:data:`jaxmem._src.remat.names.NAMES`) except the
     attention scores and probabilities (``attention_scores``, ``attention_probs``), and
     recomputes every unnamed value. The rule is by names, so it is sound on any model that tags
     its activations with the vocabulary: no ``[b, a, s, s]`` tensor (scores, masked scores,

@@ -28,14 +28,14 @@ from flax.core import meta
 from jax.tree_util import keystr, tree_flatten_with_path, tree_structure
 
 from jaxmem._src import checks
-from jaxmem._src import policies as _policies
 from jaxmem._src import reversible as _rev
-from jaxmem._src import scan as _scan
-from jaxmem._src.flax_linen import (
+from jaxmem._src.flax.linen import (
     _DEFAULT_SPLIT_RNGS,
     _check_length,
     _check_module_class,
 )
+from jaxmem._src.remat import policies as _policies
+from jaxmem._src.scan import api as _scan
 
 # ------------------------------------------------------------------------------------------
 # Checks shared by the linen and NNX forms.

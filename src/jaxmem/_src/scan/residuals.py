@@ -13,7 +13,7 @@ residuals the VJP closes over, and decides for each one how the backward pass of
 * ``"stacked"``: the residual itself is one of the *partial activations*, the values the forward
   loop emits per step.
 
-Which values to stack is a minimum cut (:mod:`jaxmem._src.mincut`): every residual must be
+Which values to stack is a minimum cut (:mod:`jaxmem._src.scan.mincut`): every residual must be
 reachable from stored values through cheap equations only, and the bytes stored per step are
 minimised. Whether to keep each carry leaf's sequence is decided on top of it, by trying the
 subsets of carry leaves that some residual could use.
@@ -41,8 +41,8 @@ import jax
 import numpy as np
 
 from jaxmem._src import jax_compat as jc
-from jaxmem._src import mincut
-from jaxmem._src import recompute_cost as _pricing
+from jaxmem._src.scan import mincut as mincut
+from jaxmem._src.scan import recompute_cost as _pricing
 
 # Primitives whose recomputation in the backward step is cheap: elementwise arithmetic and
 # transcendental functions, comparisons and selects, type conversions and pure data movement
@@ -640,7 +640,7 @@ def _eval_pinned(jaxpr, consts: Sequence, args: Sequence) -> list:
 
 
 def _priced_cut(traced: TracedStep, body, base_free: set, candidates, model=None, host=frozenset()):
-    """The cut of ``recompute="auto"`` (:mod:`jaxmem._src.recompute_cost`): recompute only what
+    """The cut of ``recompute="auto"`` (:mod:`jaxmem._src.scan.recompute_cost`): recompute only what
     fuses, and keep the most expensive recompute instead while the recomputes cost more than the
     model's budget of the step's time. Returns the recompute predicate and the stores."""
     model = _pricing.for_backend() if model is None else model
@@ -704,7 +704,7 @@ def plan_step(
       n_carry: number of carry leaves.
       in_avals: abstract values of the inputs (consts, carry, one x slice).
       recompute: ``"auto"`` (cheap recomputes that fuse, within a time budget:
-        :mod:`jaxmem._src.recompute_cost`), ``"cheap"`` or ``"none"``.
+        :mod:`jaxmem._src.scan.recompute_cost`), ``"cheap"`` or ``"none"``.
       host_names: checkpoint names of values kept in host memory (``offload=`` names): they
         cost the cut no device bytes, so it keeps them rather than what is computed from them.
 

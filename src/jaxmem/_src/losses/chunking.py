@@ -8,12 +8,12 @@ chunk. This is the AutoChunker of PyTorch Inductor, and the fused linear cross-e
 
 - :func:`chunked` does it for a function the user says is such a sum (which arguments carry the
   rows, along which axis).
-- :func:`autochunk` finds such a tail inside any loss (:mod:`jaxmem._src.rowwise`: the largest
-  row-wise part that ends in a scalar ``reduce_sum`` and creates an intermediate larger than a
-  threshold), runs it chunk by chunk and the rest of the loss as written; where the tail's
-  large intermediate has columns from a matmul by a shared weight, each chunk also runs in
-  tiles of columns (:mod:`jaxmem._src.colwise`). ``.explain(*args)`` says what it chunked, or
-  why nothing.
+- :func:`autochunk` finds such a tail inside any loss (:mod:`jaxmem._src.losses.rowwise`: the
+  largest row-wise part that ends in a scalar ``reduce_sum`` and creates an intermediate larger than
+  a threshold), runs it chunk by chunk and the rest of the loss as written; where the tail's large
+  intermediate has columns from a matmul by a shared weight, each chunk also runs in tiles of
+  columns (:mod:`jaxmem._src.losses.colwise`). ``.explain(*args)`` says what it chunked, or why
+  nothing.
 
 Both compute the gradients in the forward pass when differentiated (``jax.grad``/``jax.vjp``;
 never under plain evaluation, which only sums values), at the cost of a backward pass of the
@@ -34,10 +34,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmem._src import colwise as _cw
 from jaxmem._src import jax_compat as _jc
-from jaxmem._src import rowwise as _rw
-from jaxmem._src.scan import ForwardModeError
+from jaxmem._src.losses import colwise as _cw
+from jaxmem._src.losses import rowwise as _rw
+from jaxmem._src.scan.api import ForwardModeError
 
 _REDUCTIONS = ("sum", "mean")
 DEFAULT_MAX_CHUNK_BYTES = 4 * 2**20
@@ -198,7 +198,7 @@ def _sum_of_chunks(run, rows_leaves, param_leaves, n: int, size: int, fname: str
 
 
 class _Tiles:
-    """Chunks of rows, each in tiles of columns (:class:`jaxmem._src.colwise.ColumnPlan`).
+    """Chunks of rows, each in tiles of columns (:class:`jaxmem._src.losses.colwise.ColumnPlan`).
 
     The tail's jaxpr takes the row leaves then the parameters; ``plans[length]`` runs a chunk
     of ``length`` rows (None: that chunk runs whole, as :class:`_Rows` does).

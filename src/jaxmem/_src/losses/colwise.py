@@ -1,11 +1,11 @@
 """Splitting a row-wise tail along a second axis: the columns of a large shared weight.
 
-A row-wise tail (:mod:`jaxmem._src.rowwise`) often multiplies its rows by a large weight shared
-by every row (``logits = x @ w``, ``w`` of shape ``[D, V]``) and then reduces each row over the
-weight's columns: a softmax's maximum and sum, the logit at the label. Split into chunks of
-rows only, each chunk still creates ``[rows, V]`` blocks and a whole ``[D, V]`` gradient of the
-weight. This module finds when such a tail can also run in tiles of columns, and runs one
-chunk of rows that way:
+A row-wise tail (:mod:`jaxmem._src.losses.rowwise`) often multiplies its rows by a large weight
+shared by every row (``logits = x @ w``, ``w`` of shape ``[D, V]``) and then reduces each row over
+the weight's columns: a softmax's maximum and sum, the logit at the label. Split into chunks of rows
+only, each chunk still creates ``[rows, V]`` blocks and a whole ``[D, V]`` gradient of the weight.
+This module finds when such a tail can also run in tiles of columns, and runs one chunk of rows that
+way:
 
 1. :func:`plan` labels the *column axis* of every value of the tail (the axis that comes from
    the weight's columns, followed through the same per-primitive rules as the rows), and checks
@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmem._src import jax_compat as _jc
-from jaxmem._src import rowwise as _rw
+from jaxmem._src.losses import rowwise as _rw
 
 _MAX_TERMS = 16
 _ONE = ("one",)

@@ -1,0 +1,1 @@
+"""Flax integration: linen and NNX layer stacks, remat, reversible stacks."""

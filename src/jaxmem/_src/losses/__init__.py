@@ -1,0 +1,1 @@
+"""Losses: linear cross-entropy, automatic chunking of loss tails, trainable subsets."""

@@ -1,0 +1,1 @@
+"""Memory profiles: reports, XLA buffer assignment, the profile command."""

@@ -1,0 +1,1 @@
+"""Rematerialization: policies, checkpoint names, the memory-budget planner."""
