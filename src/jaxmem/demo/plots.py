@@ -54,7 +54,10 @@ def plot(
     Returns:
       ``path``, as given.
     """
-    from matplotlib.figure import Figure  # lazy: matplotlib is only needed to draw
+    try:  # matplotlib is only needed to draw: the jaxmem[plot] extra
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise ImportError("the demo's plots need matplotlib: pip install 'jaxmem[plot]'") from e
 
     labels = list(comparison.reports)
     timed = bool(times)

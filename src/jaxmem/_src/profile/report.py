@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmem._src import checks
+from jaxmem._src import checks, optional
 from jaxmem._src.listing import ORIGINS, SavedResidual, saved_residuals, short_source
 from jaxmem._src.profile.buffers import (
     Buffer,
@@ -608,7 +608,7 @@ class MemoryReport:
             values.append(value)
             colors.append("tab:orange")
         scale, unit = _unit_for(max(values, default=0))
-        fig = _new_figure(figsize=(7, 0.45 * len(labels) + 1.2))
+        fig = _new_figure((7, 0.45 * len(labels) + 1.2), "MemoryReport.plot")
         ax = fig.add_subplot()
         ypos = np.arange(len(labels))
         ax.barh(ypos, [v / scale for v in values], color=colors)
@@ -821,7 +821,7 @@ class Comparison:
         scale, unit = _unit_for(largest)
         n = len(table)
         width = 0.8 / n
-        fig = _new_figure(figsize=(max(6.0, 1.2 * len(columns) * max(1, n / 2)), 4))
+        fig = _new_figure((max(6.0, 1.2 * len(columns) * max(1, n / 2)), 4), "Comparison.plot")
         ax = fig.add_subplot()
         x = np.arange(len(columns))
         for i, (label, vals) in enumerate(table.items()):
@@ -843,12 +843,11 @@ def _unit_for(largest: int) -> tuple[float, str]:
     return 1.0, "bytes"
 
 
-def _new_figure(figsize: tuple[float, float]) -> Any:
-    # Lazy import: matplotlib is only needed to draw. A bare Figure renders with Agg on
-    # savefig and touches no global pyplot/backend state.
-    from matplotlib.figure import Figure
-
-    return Figure(figsize=figsize, dpi=100)
+def _new_figure(figsize: tuple[float, float], feature: str) -> Any:
+    # matplotlib is only needed to draw (the jaxmem[plot] extra). A bare Figure renders with
+    # Agg on savefig and touches no global pyplot/backend state.
+    figure = optional.require("matplotlib.figure", "plot", feature)
+    return figure.Figure(figsize=figsize, dpi=100)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1097,7 +1096,7 @@ def _plot_timeline(report: MemoryReport, path: Any, n_groups: int) -> Any:
     for key, live in slices.items():
         layers[group_of_slice.get(key, len(top))] += live
     scale, unit = _unit_for(max(b.timeline))
-    fig = _new_figure(figsize=(9, 4.5))
+    fig = _new_figure((9, 4.5), "MemoryReport.plot_timeline")
     ax = fig.add_subplot()
     labels = [_group_label(g) for g in top] + ["other"]
     ax.stackplot(np.arange(points), layers / scale, labels=labels, alpha=0.85)

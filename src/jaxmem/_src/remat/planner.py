@@ -52,6 +52,7 @@ import numpy as np
 
 from jaxmem._src import jax_compat as _jc
 from jaxmem._src import offload as _offload
+from jaxmem._src import optional
 from jaxmem._src.remat import auto as _auto
 from jaxmem._src.remat import policies as _policies
 
@@ -924,11 +925,7 @@ class Frontier:
             raise ValueError(f"Frontier.plot: y must be 'flops' or 'time', got {y!r}")
         if y == "time" and not any(p.step_time_s is not None for p in self.points):
             raise ValueError("Frontier.plot(y='time'): no step times; run frontier(time=True)")
-        import matplotlib
-
-        if path is not None:
-            matplotlib.use("Agg", force=False)
-        import matplotlib.pyplot as plt
+        figure = optional.require("matplotlib.figure", "plot", "Frontier.plot")
 
         def yval(p):
             if y == "time":
@@ -938,7 +935,9 @@ class Frontier:
             return 100 * p.recompute_flops / max(self.baseline_flops, 1)
 
         pts = [p for p in self.points if p.temp_bytes is not None and yval(p) is not None]
-        fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+        # A bare Figure (no pyplot): it renders with Agg on savefig, touching no global state.
+        fig = figure.Figure(figsize=(8, 5), dpi=110)
+        ax = fig.subplots()
         trial = [p for p in pts if p.kind not in ("preset", "no remat")]
         ax.scatter(
             [p.temp_bytes / 2**20 for p in trial],
