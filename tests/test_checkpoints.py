@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,7 @@ from test_scan import CASES, F32_RTOL, Rand, assert_trees_close, values_and_grad
 import jaxmem
 from jaxmem._src.listing import saved_residuals
 from jaxmem._src.scan import schedule as schedule
+from jaxmem._src.scan.api import collect_plans
 
 # ------------------------------------------------------------------------------------------
 # The schedule.
@@ -526,3 +528,25 @@ def test_plan_reports_the_schedule():
     assert "checkpoints: 64 carries" in text and "6078 forward steps" in text
     assert plan.to_dict()["schedule"]["forward_steps"] == 6078
     assert jaxmem.scan_residuals(*_plan_args(16)).schedule is None
+
+
+def test_step_counters_and_plan_collectors_belong_to_their_thread():
+    # The planner compiles in threads: a block in one thread must not see another's scans.
+    def loss(w):
+        return jnp.sum(jaxmem.scan(lambda c, x: (jnp.sin(c * w + x), None), 1.0, jnp.ones(5))[0])
+
+    seen = {}
+
+    def other_thread():
+        with collect_plans() as plans, jaxmem.step_counter() as counter:
+            jax.block_until_ready(jax.grad(loss)(0.5))
+        seen["plans"], seen["steps"] = len(plans), counter.forward_steps
+
+    with collect_plans() as plans, jaxmem.step_counter() as counter:
+        t = threading.Thread(target=other_thread)
+        t.start()
+        t.join()
+        assert (len(plans), counter.forward_steps) == (0, 0)  # nothing of the other thread's
+        jax.block_until_ready(jax.grad(lambda w: loss(w) * 2.0)(0.25))
+    assert len(plans) == 1 and counter.forward_steps > 0
+    assert seen["plans"] == 1 and seen["steps"] > 0

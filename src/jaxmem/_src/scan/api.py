@@ -19,6 +19,7 @@ VJP: :func:`scan` raises :class:`ForwardModeError` and names :func:`jax.lax.scan
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -515,9 +516,10 @@ class _LeanScan:
             jaxpr, self.n_consts, self.body.n_carry, in_avals, self.recompute, names
         )
         stacked, carry = _offload_masks(step, self.offload, self.fname)
-        if _PLAN_COLLECTORS:  # The summary traces stock lax.scan: only when someone asks.
+        collectors = _PLAN_COLLECTORS.get()
+        if collectors:  # The summary traces stock lax.scan: only when someone asks.
             summary = self.summary(step)
-            for collector in _PLAN_COLLECTORS:
+            for collector in collectors:
                 collector.append(summary)
         packed = tuple(
             v.aval.shape[-1] if _res.packs_bits(v.aval) else None for v in step.stacked_vars
@@ -719,7 +721,11 @@ class StepCounter:
         return f"StepCounter(forward_steps={self.forward_steps})"
 
 
-_STEP_COUNTERS: list[StepCounter] = []
+# The counters of the step_counter blocks active in this context (thread, task): a block in one
+# thread does not count the scans another thread traces.
+_STEP_COUNTERS: contextvars.ContextVar[tuple[StepCounter, ...]] = contextvars.ContextVar(
+    "jaxmem_step_counters", default=()
+)
 
 
 @contextlib.contextmanager
@@ -749,18 +755,18 @@ def step_counter():
       True
     """
     counter = StepCounter()
-    _STEP_COUNTERS.append(counter)
+    token = _STEP_COUNTERS.set((*_STEP_COUNTERS.get(), counter))
     try:
         yield counter
     finally:
-        _STEP_COUNTERS.remove(counter)
+        _STEP_COUNTERS.reset(token)
 
 
 def _tick(index):
     """Reports one step evaluation to the counters active at trace time (nothing if none)."""
-    if not _STEP_COUNTERS:
+    counters = _STEP_COUNTERS.get()
+    if not counters:
         return
-    counters = tuple(_STEP_COUNTERS)
 
     def record(_):
         for counter in counters:
@@ -949,19 +955,22 @@ class _CheckpointedScan:
         return _input_cotangents(avals, live, (ct_consts, ct_init, ct_xs), length, self.spaces)
 
 
-# Active collectors of scan plans (see collect_plans); analysis appends to each.
-_PLAN_COLLECTORS: list[list] = []
+# The collectors of the collect_plans blocks active in this context (thread, task); analysis
+# appends to each. The planner compiles in threads: a block collects what its own thread traces.
+_PLAN_COLLECTORS: contextvars.ContextVar[tuple[list, ...]] = contextvars.ContextVar(
+    "jaxmem_plan_collectors", default=()
+)
 
 
 @contextlib.contextmanager
 def collect_plans():
     """Collects the :class:`ScanPlan` of every :func:`scan` differentiated inside the block."""
     plans: list = []
-    _PLAN_COLLECTORS.append(plans)
+    token = _PLAN_COLLECTORS.set((*_PLAN_COLLECTORS.get(), plans))
     try:
         yield plans
     finally:
-        _PLAN_COLLECTORS.remove(plans)
+        _PLAN_COLLECTORS.reset(token)
 
 
 def _stock_stacked_bytes(body: _Body, plan, length: int) -> int:
