@@ -109,3 +109,55 @@ def test_the_checks_find_a_cycle_and_an_upward_import():
     assert _cycle({"a": {"b"}, "b": set()}) is None
     up = {"jaxmem._src.remat.policies": {"jaxmem._src.scan.api"}, "jaxmem._src.scan.api": set()}
     assert _upward(up) == ["jaxmem._src.remat.policies -> jaxmem._src.scan.api"]
+
+
+def _private_uses(path: Path, module: str) -> list[str]:
+    """Private names (``_x``) of another unit of _src that ``module`` imports or reads as an
+    attribute of an imported module."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    bound: dict[str, str] = {}  # local name -> the _src module it is
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("jaxmem."):
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                if full in MODULES:
+                    bound[alias.asname or alias.name] = full
+                elif alias.name.startswith("_") and _unit(node.module) != _unit(module):
+                    found.append(full)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname and alias.name in MODULES:
+                    bound[alias.asname] = alias.name
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in bound
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+            and _unit(bound[node.value.id]) != _unit(module)
+        ):
+            found.append(f"{bound[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_no_private_name_crosses_a_unit_of_src():
+    crossing = {
+        m: sorted(set(uses))
+        for m, p in MODULES.items()
+        if _unit(m) and (uses := _private_uses(p, m))
+    }
+    assert not crossing, crossing
+
+
+def test_the_private_name_check_finds_one(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text(
+        "from jaxmem._src.scan import api as _scan\n"
+        "from jaxmem._src.scan.api import _prepare\n"
+        "x = _scan._check_thing\n"
+    )
+    found = _private_uses(path, "jaxmem._src.flax.linen")
+    assert sorted(found) == ["jaxmem._src.scan.api._check_thing", "jaxmem._src.scan.api._prepare"]
+    assert _private_uses(path, "jaxmem._src.scan.other") == []  # within its own unit

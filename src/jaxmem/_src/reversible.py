@@ -44,7 +44,8 @@ from jax import lax
 from jax.tree_util import tree_flatten, tree_map, tree_structure, tree_unflatten
 
 from jaxmem._src import checks
-from jaxmem._src.scan.api import ForwardModeError, _apply_policy
+from jaxmem._src.scan.api import ForwardModeError
+from jaxmem._src.scan.options import apply_policy
 
 _FORWARD_MODE = (
     "{fn} supports reverse-mode differentiation only (jax.grad, jax.vjp): its memory saving is a "
@@ -72,7 +73,7 @@ def _aval_str(x: Any) -> str:
     return f"{dtype.name}[{','.join(str(d) for d in np.shape(x))}]"
 
 
-def _tree_str(tree: Any) -> str:
+def tree_str(tree: Any) -> str:
     leaves, treedef = tree_flatten(tree)
     if treedef == tree_structure(0):
         return _aval_str(leaves[0])
@@ -221,8 +222,8 @@ class Coupling:
         fname = "jaxmem.reversible_scan" if len(self.fns) == 2 else "jaxmem.Coupling.scan"
         streams = self._check_streams(streams, fname)
         n_layers = _check_params(params, length, fname)
-        k = _check_anchor(anchor_every, n_layers, fname)
-        fns = tuple(_apply_policy(fn, policy, fname) for fn in self.fns)
+        k = check_anchor(anchor_every, n_layers, fname)
+        fns = tuple(apply_policy(fn, policy, fname) for fn in self.fns)
         p0 = tree_map(lambda a: a[0], params)
         self._check_shapes(fns, p0, streams, fname)
 
@@ -272,8 +273,8 @@ class Coupling:
             if got_tree != want_tree:
                 raise TypeError(
                     f"{fname}: {label} must return the structure of stream {_stream_name(i)} "
-                    f"({_tree_str(streams[i])}), since the coupling adds it to that stream; it "
-                    f"returned {_tree_str(out)}"
+                    f"({tree_str(streams[i])}), since the coupling adds it to that stream; it "
+                    f"returned {tree_str(out)}"
                 )
             for (path, g), w in zip(
                 jax.tree_util.tree_flatten_with_path(out)[0], tree_flatten(want)[0], strict=True
@@ -321,7 +322,7 @@ def _check_params(params: Any, length: Any, fname: str) -> int:
     return n
 
 
-def _check_anchor(anchor_every: Any, n: int, fname: str) -> int | None:
+def check_anchor(anchor_every: Any, n: int, fname: str) -> int | None:
     if anchor_every is None:
         return None
     if isinstance(anchor_every, bool) or not isinstance(anchor_every, int | np.integer):

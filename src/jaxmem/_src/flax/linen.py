@@ -44,6 +44,7 @@ from jax.tree_util import keystr, tree_flatten_with_path
 
 from jaxmem._src.remat import policies as _policies
 from jaxmem._src.scan import api as _scan
+from jaxmem._src.scan.options import ScanOptions, check_checkpoints
 
 broadcast = nn.broadcast
 
@@ -67,11 +68,8 @@ def _check_length(length: Any, fname: str) -> int:
 
 
 def _check_scan_options(policy, offload, recompute, unroll, fname: str):
-    policy = _policies.resolve(policy, fname)
-    _scan._check_offload(offload, fname)
-    _scan._check_recompute(recompute, fname)
-    _scan._check_unroll(unroll, fname)
-    return policy
+    ScanOptions.create(fname, policy=policy, offload=offload, recompute=recompute, unroll=unroll)
+    return _policies.resolve(policy, fname)
 
 
 def _check_checkpoints(checkpoints, offload, length: int | None, fname: str):
@@ -81,7 +79,7 @@ def _check_checkpoints(checkpoints, offload, length: int | None, fname: str):
     time: a bad value fails the same way for every length, and :func:`jaxmem.scan` resolves
     ``"sqrt"`` and clamps ``k`` once the length is known.
     """
-    _scan._check_checkpoints(checkpoints, offload, 1 if length is None else length, fname)
+    check_checkpoints(checkpoints, offload, 1 if length is None else length, fname)
 
 
 # ------------------------------------------------------------------------------------------

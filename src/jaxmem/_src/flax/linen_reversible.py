@@ -35,7 +35,7 @@ from jaxmem._src.flax.linen import (
     _check_module_class,
 )
 from jaxmem._src.remat import policies as _policies
-from jaxmem._src.scan import api as _scan
+from jaxmem._src.scan.options import check_unroll
 
 # ------------------------------------------------------------------------------------------
 # Checks shared by the linen and NNX forms.
@@ -66,7 +66,7 @@ def _check_block_output(out: Any, want: Any, label: str, stream: str, fname: str
     if tree_structure(out) != tree_structure(want):
         raise TypeError(
             f"{fname}: {label} must return the structure of stream {stream} "
-            f"({_rev._tree_str(want)}), since its result is added to that stream; it returned "
+            f"({_rev.tree_str(want)}), since its result is added to that stream; it returned "
             f"{tree_structure(out)}"
         )
     for (path, got), exp in zip(tree_flatten_with_path(out)[0], jax.tree.leaves(want), strict=True):
@@ -87,8 +87,8 @@ def _aval(shape: tuple, dtype: Any) -> str:
 
 def _check_options(policy, anchor_every, unroll, length, fname):
     policy = _policies.resolve(policy, fname)
-    _rev._check_anchor(anchor_every, length, fname)
-    _scan._check_unroll(unroll, fname)
+    _rev.check_anchor(anchor_every, length, fname)
+    check_unroll(unroll, fname)
     return policy
 
 

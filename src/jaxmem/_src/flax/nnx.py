@@ -48,6 +48,7 @@ from jaxmem._src.flax.linen import (
 from jaxmem._src.remat import auto as _auto
 from jaxmem._src.remat import policies as _policies
 from jaxmem._src.scan import api as _scan
+from jaxmem._src.scan.options import ScanOptions, infer_length
 
 
 def _check_stack(layers: Any, length: int, fname: str):
@@ -233,7 +234,7 @@ def _loop(f, init, xs, length=None, reverse=False, unroll=1, _split_transpose=Fa
     carry_leaves = [as_array(x) for x in carry_leaves]
     x_leaves = [as_array(x) for x in x_leaves]
     x_paths = [p for p, _ in tree_flatten_with_path(xs)[0]]
-    length = _scan._infer_length(x_paths, x_leaves, length, fname)
+    length = infer_length(x_paths, x_leaves, length, fname)
     x_avals = [_jc.unstacked(jax.typeof(x), length) for x in x_leaves]
     traced = _trace(f, carry_tree, x_tree, [jax.typeof(x) for x in carry_leaves], x_avals)
     # A weak-typed carry leaf the body changes the dtype of is promoted (as lax.scan does).
@@ -356,10 +357,8 @@ def scan(
       True
     """
     fname = "jaxmem.flax.nnx.scan"
+    ScanOptions.create(fname, policy=policy, offload=offload, recompute=recompute, unroll=unroll)
     policy = _policies.resolve(policy, fname)
-    _scan._check_offload(offload, fname)
-    _scan._check_recompute(recompute, fname)
-    _scan._check_unroll(unroll, fname)
     _check_checkpoints(checkpoints, offload, None, fname)
     opts = dict(
         length=length,

@@ -29,18 +29,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
-from jax.tree_util import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+from jax.tree_util import keystr, tree_flatten, tree_unflatten
 
 from jaxmem._src import checks
 from jaxmem._src import jax_compat as _jc
 from jaxmem._src import listing as _listing
 from jaxmem._src.remat import auto as _auto
-from jaxmem._src.remat import policies as _policies
+from jaxmem._src.scan import options as _opts
 from jaxmem._src.scan import residuals as _res
 from jaxmem._src.scan import schedule as _schedule
 from jaxmem._src.scan.residuals import ScanPlan
-
-_RECOMPUTE_MODES = ("auto", "cheap", "none")
 
 
 class ForwardModeError(TypeError):
@@ -57,63 +55,6 @@ _FORWARD_MODE_MESSAGE = (
 
 # ------------------------------------------------------------------------------------------
 # Input checks (before any tracing), with path-aware messages.
-
-
-def _check_leaves(tree, argname: str, fname: str, allow_structs: bool = False):
-    """Flattens ``tree`` after checking that every leaf is an array (named by path if not)."""
-    checks.check_traceable(tree, argname, fname, allow_structs=allow_structs)
-    leaves_with_paths, treedef = tree_flatten_with_path(tree)
-    return [p for p, _ in leaves_with_paths], [x for _, x in leaves_with_paths], treedef
-
-
-def _infer_length(xs_paths, xs_leaves, length, fname: str) -> int:
-    sizes = []
-    for path, x in zip(xs_paths, xs_leaves, strict=True):
-        shape = np.shape(x)
-        if not shape:
-            raise ValueError(
-                f"{fname} got a scalar xs leaf xs{keystr(path)} (shape ()); every xs leaf needs a "
-                "leading axis to scan over."
-            )
-        sizes.append((path, shape[0]))
-    if length is not None:
-        try:
-            length = int(_jc.concrete_or_error(None, length, f"{fname}: length must be concrete"))
-        except TypeError as e:
-            raise TypeError(f"{fname} got a non-integer length={length!r}.") from e
-        if length < 0:
-            raise ValueError(f"{fname} got a negative length={length}.")
-        wrong = [(p, n) for p, n in sizes if n != length]
-        if wrong:
-            listed = ", ".join(f"xs{keystr(p)} has {n}" for p, n in wrong)
-            raise ValueError(
-                f"{fname} got length={length} but the xs leading-axis sizes disagree: {listed}."
-            )
-        return length
-    if not sizes:
-        raise ValueError(f"{fname} got no xs to scan over and no length: pass length=... .")
-    distinct = {n for _, n in sizes}
-    if len(distinct) > 1:
-        listed = ", ".join(f"xs{keystr(p)} has {n}" for p, n in sizes)
-        raise ValueError(f"{fname} got inconsistent leading-axis sizes: {listed}.")
-    return sizes[0][1]
-
-
-def _check_unroll(unroll, fname: str):
-    if isinstance(unroll, bool):
-        return unroll
-    if isinstance(unroll, (int, np.integer)) and unroll >= 0:
-        return int(unroll)
-    raise TypeError(f"{fname} got unroll={unroll!r}; expected a bool or a non-negative int.")
-
-
-def _check_recompute(recompute, fname: str) -> str:
-    if recompute not in _RECOMPUTE_MODES:
-        raise ValueError(
-            f"{fname} got recompute={recompute!r}; expected one of "
-            f"{', '.join(map(repr, _RECOMPUTE_MODES))}."
-        )
-    return recompute
 
 
 def _aval(x) -> _jc.ShapedArray:
@@ -156,7 +97,7 @@ def _trace_body(
             )
         new_carry, y = out
         new_leaves, new_tree = tree_flatten(new_carry)
-        y_paths, y_leaves, y_tree = _check_leaves(y, "y", f"{fname} body output")
+        y_paths, y_leaves, y_tree = _opts.check_leaves(y, "y", f"{fname} body output")
         if new_tree != init_tree:
             raise TypeError(
                 f"{fname} body changed the carry's tree structure: init is {init_tree} but "
@@ -191,11 +132,11 @@ def _trace_body(
 def _prepare(f, init, xs, length, unroll, recompute, fname, diff_consts=False):
     """Checks the arguments and traces the body (promoting weak-typed init leaves once)."""
     checks.check_callable(f, "the body f(carry, x)", fname)
-    recompute = _check_recompute(recompute, fname)
-    unroll = _check_unroll(unroll, fname)
-    init_paths, init_leaves, init_tree = _check_leaves(init, "init", fname)
-    xs_paths, xs_leaves, xs_tree = _check_leaves(xs, "xs", fname)
-    length = _infer_length(xs_paths, xs_leaves, length, fname)
+    recompute = _opts.check_recompute(recompute, fname)
+    unroll = _opts.check_unroll(unroll, fname)
+    init_paths, init_leaves, init_tree = _opts.check_leaves(init, "init", fname)
+    xs_paths, xs_leaves, xs_tree = _opts.check_leaves(xs, "xs", fname)
+    length = _opts.infer_length(xs_paths, xs_leaves, length, fname)
     init_leaves = [x if isinstance(x, _jc.Tracer) else jnp.asarray(x) for x in init_leaves]
     xs_leaves = [x if isinstance(x, _jc.Tracer) else jnp.asarray(x) for x in xs_leaves]
     carry_avals = [_aval(x) for x in init_leaves]
@@ -313,43 +254,6 @@ def _input_cotangents(avals, live: _Live, values, length: int, spaces):
     )
 
 
-_OFFLOAD_MODES = ("residuals", "carries", "all")
-
-
-def _check_offload(offload, fname: str):
-    """Normalises ``offload`` to None, one of _OFFLOAD_MODES, or a frozenset of names."""
-    if offload is None or offload in _OFFLOAD_MODES:
-        return offload
-    if isinstance(offload, str):
-        raise ValueError(
-            f"{fname} got offload={offload!r}; expected None, one of "
-            f"{', '.join(map(repr, _OFFLOAD_MODES))}, or a tuple of checkpoint names "
-            "(jaxmem.name / jax.ad_checkpoint.checkpoint_name)."
-        )
-    try:
-        names = frozenset(offload)
-    except TypeError:
-        names = None
-    if not names or not all(isinstance(n, str) for n in names):
-        raise ValueError(
-            f"{fname} got offload={offload!r}; expected None, one of "
-            f"{', '.join(map(repr, _OFFLOAD_MODES))}, or a non-empty tuple of checkpoint names."
-        )
-    return names
-
-
-def _check_checkpoints(checkpoints, offload, length: int, fname: str) -> int | None:
-    """The number of checkpoint slots, or None for the lean VJP (also for an empty scan)."""
-    slots = _schedule.check_checkpoints(checkpoints, length, fname)
-    if slots is not None and offload not in (None, "carries", "all"):
-        raise ValueError(
-            f"{fname} got offload={offload!r} with checkpoints={checkpoints!r}: a checkpointed "
-            "scan stacks no activations (one step's are live at a time), only the checkpointed "
-            "carries; offload them with offload='carries' (or 'all')."
-        )
-    return slots if length > 0 else None
-
-
 def _has_remat(jaxpr) -> bool:
     """Whether ``jaxpr`` runs a ``jax.checkpoint`` (its primitive is "remat2" on 0.10 and 0.12)."""
     return any(e.primitive.name == "remat2" for e in _res.iter_eqns(jaxpr))
@@ -372,18 +276,6 @@ def _pin_invariants(treedef, res: list, at: list, cts, ct_carry) -> list:
     for i, v in zip(at, pinned, strict=True):
         res[i] = v
     return res
-
-
-def _apply_policy(f, policy, fname: str):
-    """The step under ``jax.checkpoint(policy=...)`` (as each step of a rematerialized scan).
-
-    ``policy="auto"`` is resolved here, at trace time, by the active :func:`jaxmem.use_plan`.
-    """
-    policy = _auto.resolve(_policies.resolve(policy, fname), fname)
-    if policy is None:
-        return f
-    checks.check_callable(f, "the body f(carry, x)", fname)
-    return jax.checkpoint(f, policy=policy, prevent_cse=False)
 
 
 def _pack(mask):
@@ -1033,11 +925,11 @@ def scan_residuals(f: Callable, init: Any, xs: Any = None, length: int | None = 
     fname = "jaxmem.scan_residuals"
     checks.check_callable(f, "the body f(carry, x)", fname)
     for argname, tree in (("init", init), ("xs", xs)):
-        _check_leaves(tree, argname, fname, allow_structs=True)
+        _opts.check_leaves(tree, argname, fname, allow_structs=True)
     plans = []
     checkpoints = _auto.resolve_checkpoints(kwargs.get("policy"), kwargs.get("checkpoints"))
-    f = _apply_policy(f, kwargs.get("policy"), fname)
-    offload = _check_offload(kwargs.get("offload"), fname)
+    f = _opts.apply_policy(f, kwargs.get("policy"), fname)
+    offload = _opts.check_offload(kwargs.get("offload"), fname)
 
     def trace(init, xs):
         body, init_leaves, xs_leaves, _, n, unroll, recompute = _prepare(
@@ -1055,7 +947,7 @@ def scan_residuals(f: Callable, init: Any, xs: Any = None, length: int | None = 
         )
         step = lean.plan.step
         schedule = None
-        slots = _check_checkpoints(checkpoints, offload, n, fname)
+        slots = _opts.check_checkpoints(checkpoints, offload, n, fname)
         if slots is not None:
             carry_bytes = sum(_jc.nbytes(v.aval) for v in step.carry_invars)
             schedule = _schedule.describe(n, slots, carry_bytes)
@@ -1168,12 +1060,12 @@ def scan(
     """
     fname = "jaxmem.scan"
     checkpoints = _auto.resolve_checkpoints(policy, checkpoints)
-    f = _apply_policy(f, policy, fname)
-    offload = _check_offload(offload, fname)
+    f = _opts.apply_policy(f, policy, fname)
+    offload = _opts.check_offload(offload, fname)
     body, init_leaves, xs_leaves, _, length, unroll, recompute = _prepare(
         f, init, xs, length, unroll, recompute, fname
     )
-    slots = _check_checkpoints(checkpoints, offload, length, fname)
+    slots = _opts.check_checkpoints(checkpoints, offload, length, fname)
     inputs = (body.consts, init_leaves, xs_leaves)
     spaces = [jax.typeof(v).memory_space for group in inputs for v in group]
     if slots is None:
@@ -1213,7 +1105,7 @@ def scanned(fn: Callable | None = None, *, recompute: str = "auto", **scan_kwarg
       >>> cumsum(0.0, jnp.arange(4.0))[1]
       Array([0., 1., 3., 6.], dtype=float32)
     """
-    _check_recompute(recompute, "jaxmem.scanned")
+    _opts.check_recompute(recompute, "jaxmem.scanned")
     unknown = set(scan_kwargs) - {"length", "reverse", "unroll", "policy", "offload", "checkpoints"}
     if unknown:
         raise TypeError(f"jaxmem.scanned got unexpected keyword arguments: {sorted(unknown)}.")

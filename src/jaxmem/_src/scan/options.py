@@ -1,0 +1,176 @@
+"""The options of jaxmem's loops: one frozen :class:`ScanOptions` validated once with the API's
+name, and the checks it is made of (also used where an entry point checks an option early)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+from jax.tree_util import keystr, tree_flatten_with_path
+
+from jaxmem._src import checks
+from jaxmem._src import jax_compat as _jc
+from jaxmem._src.remat import auto as _auto
+from jaxmem._src.remat import policies as _policies
+from jaxmem._src.scan import schedule as _schedule
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanOptions:
+    """The options of a jaxmem loop (a scan, a Flax layer stack, a reversible stack), checked.
+
+    Attributes:
+      fname: the API's name, for error messages (``"jaxmem.flax.nnx.scan"``).
+      policy: the remat policy as given: None, a policy, or a preset name (``"auto"`` is
+        resolved when the step is traced).
+      offload: None, one of :data:`OFFLOAD_MODES`, or a frozenset of checkpoint names.
+      recompute: one of :data:`RECOMPUTE_MODES`.
+      unroll: a bool or a non-negative int.
+
+    Examples:
+      >>> opts = ScanOptions.create("jaxmem.scan", offload=("mlp_in",), unroll=2)
+      >>> opts.offload, opts.recompute, opts.unroll
+      (frozenset({'mlp_in'}), 'auto', 2)
+      >>> ScanOptions.create("jaxmem.scan", recompute="some")
+      Traceback (most recent call last):
+      ...
+      ValueError: jaxmem.scan got recompute='some'; expected one of 'auto', 'cheap', 'none'.
+    """
+
+    fname: str
+    policy: Any = None
+    offload: Any = None
+    recompute: str = "auto"
+    unroll: int | bool = 1
+
+    @classmethod
+    def create(
+        cls,
+        fname: str,
+        *,
+        policy: Any = None,
+        offload: Any = None,
+        recompute: str = "auto",
+        unroll: int | bool = 1,
+    ) -> ScanOptions:
+        """Checks every option (in this order: policy, offload, recompute, unroll), naming
+        ``fname`` in the errors."""
+        _policies.resolve(policy, fname)
+        return cls(
+            fname=fname,
+            policy=policy,
+            offload=check_offload(offload, fname),
+            recompute=check_recompute(recompute, fname),
+            unroll=check_unroll(unroll, fname),
+        )
+
+
+RECOMPUTE_MODES = ("auto", "cheap", "none")
+
+
+def check_leaves(tree, argname: str, fname: str, allow_structs: bool = False):
+    """Flattens ``tree`` after checking that every leaf is an array (named by path if not)."""
+    checks.check_traceable(tree, argname, fname, allow_structs=allow_structs)
+    leaves_with_paths, treedef = tree_flatten_with_path(tree)
+    return [p for p, _ in leaves_with_paths], [x for _, x in leaves_with_paths], treedef
+
+
+def infer_length(xs_paths, xs_leaves, length, fname: str) -> int:
+    sizes = []
+    for path, x in zip(xs_paths, xs_leaves, strict=True):
+        shape = np.shape(x)
+        if not shape:
+            raise ValueError(
+                f"{fname} got a scalar xs leaf xs{keystr(path)} (shape ()); every xs leaf needs a "
+                "leading axis to scan over."
+            )
+        sizes.append((path, shape[0]))
+    if length is not None:
+        try:
+            length = int(_jc.concrete_or_error(None, length, f"{fname}: length must be concrete"))
+        except TypeError as e:
+            raise TypeError(f"{fname} got a non-integer length={length!r}.") from e
+        if length < 0:
+            raise ValueError(f"{fname} got a negative length={length}.")
+        wrong = [(p, n) for p, n in sizes if n != length]
+        if wrong:
+            listed = ", ".join(f"xs{keystr(p)} has {n}" for p, n in wrong)
+            raise ValueError(
+                f"{fname} got length={length} but the xs leading-axis sizes disagree: {listed}."
+            )
+        return length
+    if not sizes:
+        raise ValueError(f"{fname} got no xs to scan over and no length: pass length=... .")
+    distinct = {n for _, n in sizes}
+    if len(distinct) > 1:
+        listed = ", ".join(f"xs{keystr(p)} has {n}" for p, n in sizes)
+        raise ValueError(f"{fname} got inconsistent leading-axis sizes: {listed}.")
+    return sizes[0][1]
+
+
+def check_unroll(unroll, fname: str):
+    if isinstance(unroll, bool):
+        return unroll
+    if isinstance(unroll, (int, np.integer)) and unroll >= 0:
+        return int(unroll)
+    raise TypeError(f"{fname} got unroll={unroll!r}; expected a bool or a non-negative int.")
+
+
+def check_recompute(recompute, fname: str) -> str:
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(
+            f"{fname} got recompute={recompute!r}; expected one of "
+            f"{', '.join(map(repr, RECOMPUTE_MODES))}."
+        )
+    return recompute
+
+
+OFFLOAD_MODES = ("residuals", "carries", "all")
+
+
+def check_offload(offload, fname: str):
+    """Normalises ``offload`` to None, one of OFFLOAD_MODES, or a frozenset of names."""
+    if offload is None or offload in OFFLOAD_MODES:
+        return offload
+    if isinstance(offload, str):
+        raise ValueError(
+            f"{fname} got offload={offload!r}; expected None, one of "
+            f"{', '.join(map(repr, OFFLOAD_MODES))}, or a tuple of checkpoint names "
+            "(jaxmem.name / jax.ad_checkpoint.checkpoint_name)."
+        )
+    try:
+        names = frozenset(offload)
+    except TypeError:
+        names = None
+    if not names or not all(isinstance(n, str) for n in names):
+        raise ValueError(
+            f"{fname} got offload={offload!r}; expected None, one of "
+            f"{', '.join(map(repr, OFFLOAD_MODES))}, or a non-empty tuple of checkpoint names."
+        )
+    return names
+
+
+def check_checkpoints(checkpoints, offload, length: int, fname: str) -> int | None:
+    """The number of checkpoint slots, or None for the lean VJP (also for an empty scan)."""
+    slots = _schedule.check_checkpoints(checkpoints, length, fname)
+    if slots is not None and offload not in (None, "carries", "all"):
+        raise ValueError(
+            f"{fname} got offload={offload!r} with checkpoints={checkpoints!r}: a checkpointed "
+            "scan stacks no activations (one step's are live at a time), only the checkpointed "
+            "carries; offload them with offload='carries' (or 'all')."
+        )
+    return slots if length > 0 else None
+
+
+def apply_policy(f, policy, fname: str):
+    """The step under ``jax.checkpoint(policy=...)`` (as each step of a rematerialized scan).
+
+    ``policy="auto"`` is resolved here, at trace time, by the active :func:`jaxmem.use_plan`.
+    """
+    policy = _auto.resolve(_policies.resolve(policy, fname), fname)
+    if policy is None:
+        return f
+    checks.check_callable(f, "the body f(carry, x)", fname)
+    return jax.checkpoint(f, policy=policy, prevent_cse=False)
