@@ -579,14 +579,6 @@ def _call_with(exe: Any, own: tuple, *_case_args: Any) -> Any:
     return exe(*own)
 
 
-def _compiled_of(fn: Any) -> Any:
-    return fn.args[0] if isinstance(fn, functools.partial) else fn
-
-
-def _same(out: Any) -> Any:
-    return out
-
-
 def measure(case: Case, compiler_options: dict | None = None, *, timed: bool = True) -> Result:
     """Compiles every implementation once (temp bytes), then times them interleaved (or, not
     ``timed``, runs each once); values and gradients are compared with the stock row's."""
@@ -600,15 +592,15 @@ def measure(case: Case, compiler_options: dict | None = None, *, timed: bool = T
         if impl.fn is None:
             continue
         try:
+            own = case.args if impl.layout is None else impl.layout(*case.args)
+            exe = jax.jit(impl.fn).lower(*own).compile(compiler_options)
+            row.temp_bytes = exe.memory_analysis().temp_size_in_bytes
             if impl.layout is None:
-                exe = jax.jit(impl.fn).lower(*case.args).compile(compiler_options)
+                compiled[impl.label] = exe
             else:
-                own = jax.block_until_ready(impl.layout(*case.args))
-                compiled_own = jax.jit(impl.fn).lower(*own).compile(compiler_options)
-                exe = functools.partial(_call_with, compiled_own, own)
+                own = jax.block_until_ready(own)
+                compiled[impl.label] = functools.partial(_call_with, exe, own)
                 unlayout[impl.label] = impl.unlayout
-            row.temp_bytes = _compiled_of(exe).memory_analysis().temp_size_in_bytes
-            compiled[impl.label] = exe
         except Exception as e:  # noqa: BLE001 - a failing row is reported, not fatal
             row.error = _error_text(e)
     if compiled:
@@ -618,7 +610,7 @@ def measure(case: Case, compiler_options: dict | None = None, *, timed: bool = T
                 outputs = {label: t.output for label, t in times.items()}
             else:
                 outputs = {k: jax.block_until_ready(f(*case.args)) for k, f in compiled.items()}
-            outputs = {k: unlayout.get(k, _same)(out) for k, out in outputs.items()}
+            outputs = {k: unlayout[k](o) if k in unlayout else o for k, o in outputs.items()}
         except Exception as e:  # noqa: BLE001
             for label in compiled:
                 result.row(label).error = _error_text(e)

@@ -68,8 +68,10 @@ def _check_length(length: Any, fname: str) -> int:
 
 
 def _check_scan_options(policy, offload, recompute, unroll, fname: str):
-    ScanOptions.create(fname, policy=policy, offload=offload, recompute=recompute, unroll=unroll)
-    return _policies.resolve(policy, fname)
+    opts = ScanOptions.create(
+        fname, policy=policy, offload=offload, recompute=recompute, unroll=unroll
+    )
+    return opts.policy
 
 
 def _check_checkpoints(checkpoints, offload, length: int | None, fname: str):

@@ -357,8 +357,9 @@ def scan(
       True
     """
     fname = "jaxmem.flax.nnx.scan"
-    ScanOptions.create(fname, policy=policy, offload=offload, recompute=recompute, unroll=unroll)
-    policy = _policies.resolve(policy, fname)
+    policy = ScanOptions.create(
+        fname, policy=policy, offload=offload, recompute=recompute, unroll=unroll
+    ).policy
     _check_checkpoints(checkpoints, offload, None, fname)
     opts = dict(
         length=length,

@@ -23,8 +23,8 @@ class ScanOptions:
 
     Attributes:
       fname: the API's name, for error messages (``"jaxmem.flax.nnx.scan"``).
-      policy: the remat policy as given: None, a policy, or a preset name (``"auto"`` is
-        resolved when the step is traced).
+      policy: the remat policy: None, a policy (a preset name resolved to it), or ``"auto"``
+        (resolved when the step is traced).
       offload: None, one of :data:`OFFLOAD_MODES`, or a frozenset of checkpoint names.
       recompute: one of :data:`RECOMPUTE_MODES`.
       unroll: a bool or a non-negative int.
@@ -57,10 +57,9 @@ class ScanOptions:
     ) -> ScanOptions:
         """Checks every option (in this order: policy, offload, recompute, unroll), naming
         ``fname`` in the errors."""
-        _policies.resolve(policy, fname)
         return cls(
             fname=fname,
-            policy=policy,
+            policy=_policies.resolve(policy, fname),
             offload=check_offload(offload, fname),
             recompute=check_recompute(recompute, fname),
             unroll=check_unroll(unroll, fname),
