@@ -26,7 +26,7 @@ from test_scan import CASES, F32_RTOL, Rand, assert_trees_close, values_and_grad
 import jaxmem
 from jaxmem._src.listing import saved_residuals
 from jaxmem._src.scan import schedule as schedule
-from jaxmem._src.scan.api import collect_plans
+from jaxmem._src.scan.hooks import collect_plans
 
 # ------------------------------------------------------------------------------------------
 # The schedule.
@@ -111,7 +111,7 @@ def distinct_checkpoints(run, args) -> list:
     """The values of CHECKPOINTS that give distinct programs for the scans of ``run`` (most
     corpus scans have 3 steps, where "sqrt" is 2 and the length is 3)."""
     loss = lambda *a: jax.tree.leaves(run(jaxmem.scan, *a))
-    with jaxmem._src.scan.api.collect_plans() as plans:
+    with jaxmem._src.scan.hooks.collect_plans() as plans:
         jax.eval_shape(lambda *a: jax.vjp(loss, *a)[1](loss(*a)), *args)
     lengths = sorted({p.length for p in plans})
     distinct = {}

@@ -575,7 +575,7 @@ def _rope_step(positions):
 def _backward_barriers(step, h0, ws, policy):
     loss = lambda h0, ws: jnp.sum(jaxmem.scan(step, h0, ws, policy=policy)[0] ** 2)
     jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(h0, ws)
-    from jaxmem._src.scan.residuals import iter_eqns  # noqa: PLC0415
+    from jaxmem._src.scan.jaxprs import iter_eqns  # noqa: PLC0415
 
     return sum(e.primitive.name == "optimization_barrier" for e in iter_eqns(jaxpr.jaxpr))
 

@@ -15,6 +15,7 @@ import pytest
 
 import jaxmem
 from jaxmem._src import jax_compat as jc
+from jaxmem._src.scan import jaxprs as J
 from jaxmem._src.scan import recompute_cost as rc
 from jaxmem._src.scan import residuals as R
 
@@ -99,7 +100,7 @@ def _cuts(*models):
     free = R.loop_invariants(traced) | set(traced.x_in)
     cands = R.carry_candidates(traced, [-1])
     priced = [R._priced_cut(traced, body, free, cands, m)[1] for m in models]
-    cheap = R.choose_stores(traced, free, cands, R._is_cheap)
+    cheap = R.choose_stores(traced, free, cands, J._is_cheap)
     return [R._stored_bytes(traced, s) for s in (*priced, cheap)]
 
 

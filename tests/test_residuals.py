@@ -11,6 +11,8 @@ import pytest
 import jaxmem
 from jaxmem._src import jax_compat as jc
 from jaxmem._src.listing import saved_residuals
+from jaxmem._src.scan import jaxprs as J
+from jaxmem._src.scan import pins as P
 from jaxmem._src.scan import residuals as R
 
 K = np.float32(11.3137)
@@ -39,8 +41,8 @@ def _plan(recompute="cheap"):
 def _float_equalities(closed):
     return [
         e
-        for e in R.iter_eqns(jc.open_jaxpr(closed))
-        if e.primitive.name in ("eq", "ne") and any(R._is_float(v) for v in e.invars)
+        for e in J.iter_eqns(jc.open_jaxpr(closed))
+        if e.primitive.name in ("eq", "ne") and any(J._is_float(v) for v in e.invars)
     ]
 
 
@@ -53,14 +55,14 @@ def test_exact_float_comparisons_are_kept_not_recomputed():
     assert _float_equalities(jc.closed_jaxpr(plan.traced.jaxpr, plan.traced.consts))
     assert not _float_equalities(plan.rebuild)
     masks = [v for v in plan.stacked_vars if v.aval.dtype == np.dtype(bool)]
-    assert masks and all(R.packs_bits(v.aval) for v in masks)
+    assert masks and all(J.packs_bits(v.aval) for v in masks)
 
 
 def test_integer_comparisons_stay_cheap():
     i = jax.make_jaxpr(lambda x: x == 3)(jnp.arange(4)).jaxpr.eqns[0]
     f = jax.make_jaxpr(lambda x: x == 3.0)(jnp.ones(4)).jaxpr.eqns[0]
     lt = jax.make_jaxpr(lambda x: x < 3.0)(jnp.ones(4)).jaxpr.eqns[0]
-    assert R._is_cheap(i) and not R._is_cheap(f) and R._is_cheap(lt)
+    assert J._is_cheap(i) and not J._is_cheap(f) and J._is_cheap(lt)
 
 
 @pytest.mark.parametrize("recompute", ["cheap", "none"])
@@ -130,8 +132,8 @@ def test_jaxprs_without_a_float_mask_are_not_rewritten():
     c = jnp.ones((2, 8))
     body = jax.make_jaxpr(step)(c, c)
     forward = R.plan_step(body, 0, 1, [v.aval for v in body.jaxpr.invars], "auto").forward
-    assert R.pin_chooser_operands(forward) is forward
-    names = {e.primitive.name for e in R.iter_eqns(jc.open_jaxpr(forward))}
+    assert P.pin_chooser_operands(forward) is forward
+    names = {e.primitive.name for e in J.iter_eqns(jc.open_jaxpr(forward))}
     assert "optimization_barrier" not in names
 
 

@@ -38,14 +38,14 @@ from jaxmem._src.reversible import Coupling as Coupling
 from jaxmem._src.reversible import reversible as reversible
 from jaxmem._src.reversible import reversible_scan as reversible_scan
 from jaxmem._src.scan.api import ForwardModeError as ForwardModeError
-from jaxmem._src.scan.api import StepCounter as StepCounter
 from jaxmem._src.scan.api import scan as scan
 from jaxmem._src.scan.api import scan_residuals as scan_residuals
 from jaxmem._src.scan.api import scanned as scanned
-from jaxmem._src.scan.api import step_counter as step_counter
-from jaxmem._src.scan.residuals import PlannedResidual as PlannedResidual
-from jaxmem._src.scan.residuals import ScanPlan as ScanPlan
+from jaxmem._src.scan.hooks import StepCounter as StepCounter
+from jaxmem._src.scan.hooks import step_counter as step_counter
 from jaxmem._src.scan.schedule import CheckpointSchedule as CheckpointSchedule
+from jaxmem._src.scan.summary import PlannedResidual as PlannedResidual
+from jaxmem._src.scan.summary import ScanPlan as ScanPlan
 
 if _TYPE_CHECKING:
     from jaxmem import flax as flax

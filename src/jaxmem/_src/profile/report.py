@@ -36,8 +36,8 @@ from jaxmem._src.profile.buffers import (
     BufferReport,
     compile_with_buffers,
 )
-from jaxmem._src.scan.api import collect_plans
-from jaxmem._src.scan.residuals import ScanPlan
+from jaxmem._src.scan.hooks import collect_plans
+from jaxmem._src.scan.summary import ScanPlan
 
 __all__ = ["Comparison", "MemoryReport", "ProfileError", "Residual", "compare", "profile"]
 

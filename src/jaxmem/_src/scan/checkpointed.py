@@ -1,0 +1,202 @@
+"""The checkpointed VJP: a binomial (Revolve) schedule of stored carries, each segment re-run and
+its steps differentiated with the lean plan.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
+
+from jaxmem._src import jax_compat as _jc
+from jaxmem._src.scan import residuals as _res
+from jaxmem._src.scan import schedule as _schedule
+from jaxmem._src.scan.common import (
+    _input_cotangents,
+    _live,
+    _primal_scan,
+    _to_device,
+    _to_host,
+    _with_zeros,
+    _zeros_ct,
+)
+from jaxmem._src.scan.hooks import _tick
+from jaxmem._src.scan.trace import _Body
+
+
+def _index(stack, i):
+    return jax.lax.dynamic_index_in_dim(stack, i, keepdims=False)
+
+
+def _put(stack, value, i):
+    return jax.lax.dynamic_update_index_in_dim(stack, value, i, 0)
+
+
+def _store(bufs, carry, slot, write):
+    """Writes ``carry`` into checkpoint ``slot`` where ``write`` (in place, as a select of one
+    slot: the buffers are loop state)."""
+    at = jnp.where(write, slot, 0)
+    return [
+        _put(b, jax.lax.select(write, c, _index(b, at)), at)
+        for b, c in zip(bufs, carry, strict=True)
+    ]
+
+
+def _stack_of(aval, length: int):
+    """An array of ``length`` values of type ``aval`` to fill (zeros; a key array of zero keys)."""
+    if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended):
+        return jnp.zeros((length, *aval.shape), aval.dtype)
+    return _jc.zeros(_jc.stacked(aval, length))
+
+
+class _CheckpointedScan:
+    """The custom VJP of one :func:`scan` with ``checkpoints``: the forward sweep stores at most
+    ``k`` carries where the binomial schedule says; the backward loop restores the nearest one,
+    advances to the step it reverses (storing carries on the way) and applies that step's VJP.
+    One step's activations are live at a time; the checkpoints are the only stack."""
+
+    def __init__(self, body, length, reverse, unroll, slots, offload, fname, spaces=None):
+        self.body = _Body(body.jaxpr, [], body.n_carry, body.carry_tree, body.y_tree)
+        self.n_consts = len(body.consts)
+        self.length = length
+        self.reverse = reverse
+        self.unroll = unroll
+        self.slots = slots
+        self.offload_checkpoints = offload in ("carries", "all")
+        self.fname = fname
+        self.spaces = spaces
+        self.tables = _schedule.revolve(length, slots)
+        invars = _jc.open_jaxpr(body.jaxpr).invars
+        n_c, n_k = self.n_consts, body.n_carry
+        self.const_avals = [v.aval for v in invars[:n_c]]
+        self.carry_avals = [v.aval for v in invars[n_c : n_c + n_k]]
+        self.x_avals = [v.aval for v in invars[n_c + n_k :]]
+        self.y_avals = [v.aval for v in _jc.open_jaxpr(body.jaxpr).outvars[n_k:]]
+        self.run = jax.custom_vjp(self._primal)
+        self.run.defvjp(self._fwd, self._bwd, symbolic_zeros=True)
+
+    @functools.cached_property
+    def traced(self):
+        in_avals = [*self.const_avals, *self.carry_avals, *self.x_avals]
+        return _res.trace_step_vjp(self.body.jaxpr, self.n_consts, self.body.n_carry, in_avals)
+
+    def _x_index(self, p):
+        """The xs index of the step at position ``p`` of the processing order."""
+        return self.length - 1 - p if self.reverse else p
+
+    def _x_at(self, xs, p):
+        """The xs slice of the step at position ``p`` of the processing order."""
+        return [_index(v, self._x_index(p)) for v in xs]
+
+    def _primal(self, consts, init, xs):
+        return _primal_scan(self, consts, init, xs)
+
+    def _fwd(self, consts, init, xs):
+        consts, init, xs = jax.tree.map(
+            lambda p: p.value, (consts, init, xs), is_leaf=lambda p: isinstance(p, CustomVJPPrimal)
+        )
+        length, tables = self.length, self.tables
+        snap_slot, snap_when = jnp.asarray(tables.snap_slot), jnp.asarray(tables.snap_when)
+        # The checkpoint slots, each holding the initial carry (slot 0's for good).
+        bufs = [jnp.broadcast_to(c[None], (self.slots, *c.shape)) for c in init]
+        ys = [_stack_of(a, length) for a in self.y_avals]
+
+        def sweep(state, p):
+            carry, bufs, ys = state
+            j = self._x_index(p)
+            bufs = _store(bufs, carry, snap_slot[p], snap_when[p] == length - 1)
+            _tick(p)
+            carry, y = self.body(consts, carry, self._x_at(xs, p))
+            return (carry, bufs, [_put(s, v, j) for s, v in zip(ys, y, strict=True)]), None
+
+        (carry, bufs, ys), _ = jax.lax.scan(
+            sweep,
+            (list(init), bufs, ys),
+            jnp.arange(length - 1, dtype=jnp.int32),
+            unroll=self.unroll,
+        )
+        # The last step is taped here: its VJP is the first one the backward pass applies.
+        j = self._x_index(length - 1)
+        _tick(length - 1)
+        (final, y), vjp_last = jax.vjp(self.body, list(consts), carry, self._x_at(xs, length - 1))
+        ys = [_put(s, v, j) for s, v in zip(ys, y, strict=True)]
+        if self.offload_checkpoints:
+            bufs = [_to_host(b) for b in bufs]
+        return (final, ys), (list(consts), list(xs), bufs, vjp_last)
+
+    def _bwd(self, saved, cts):
+        consts, xs, bufs, vjp_last = saved
+        if self.offload_checkpoints:
+            bufs = [_to_device(b) for b in bufs]
+        ct_final, ct_ys = cts
+        length, tables = self.length, self.tables
+        const_avals, carry_avals = self.const_avals, self.carry_avals
+        x_avals, y_avals = self.x_avals, self.y_avals
+        avals = (const_avals, carry_avals, x_avals, y_avals)
+        live = _live(self.traced, avals, ct_final, ct_ys)
+        float_consts, float_carry, float_x, float_y = live
+
+        def apply(vjp_fn, ct_carry, p):
+            j = self._x_index(p)
+            d_consts, d_carry, d_x = vjp_fn(
+                (
+                    _with_zeros(carry_avals, float_carry, ct_carry, zero=_jc.zero_cotangent),
+                    _with_zeros(
+                        y_avals,
+                        float_y,
+                        [_index(ct_ys[i], j) for i in float_y],
+                        zero=_jc.zero_cotangent,
+                    ),
+                )
+            )
+            return (
+                [d_consts[i] for i in float_consts],
+                [d_carry[i] for i in float_carry],
+                [d_x[i] for i in float_x],
+            )
+
+        ct_carry = [
+            _zeros_ct(carry_avals[i]) if isinstance(ct_final[i], SymbolicZero) else ct_final[i]
+            for i in float_carry
+        ]
+        d_consts, ct_carry, d_x = apply(vjp_last, ct_carry, length - 1)
+        j_last = self._x_index(length - 1)
+        ct_xs = [
+            _put(_zeros_ct(x_avals[i], length), d, j_last)
+            for i, d in zip(float_x, d_x, strict=True)
+        ]
+        restore_slot = jnp.asarray(tables.restore_slot)
+        restore_pos = jnp.asarray(tables.restore_pos)
+        snap_slot, snap_when = jnp.asarray(tables.snap_slot), jnp.asarray(tables.snap_when)
+
+        def back(state, u):
+            ct_carry, acc, ct_xs, bufs = state
+            slot = restore_slot[u]
+            carry = [_index(b, slot) for b in bufs]
+
+            def advance(p, st):
+                carry, bufs = st
+                bufs = _store(bufs, carry, snap_slot[p], snap_when[p] == u)
+                _tick(p)
+                carry, _ = self.body(consts, carry, self._x_at(xs, p))
+                return carry, bufs
+
+            carry, bufs = jax.lax.fori_loop(restore_pos[u], u, advance, (carry, bufs))
+            _tick(u)
+            _, vjp_fn = jax.vjp(self.body, list(consts), carry, self._x_at(xs, u))
+            d_consts, ct_carry, d_x = apply(vjp_fn, ct_carry, u)
+            acc = [a + d for a, d in zip(acc, d_consts, strict=True)]
+            j = self._x_index(u)
+            ct_xs = [_put(s, d, j) for s, d in zip(ct_xs, d_x, strict=True)]
+            return (ct_carry, acc, ct_xs, bufs), None
+
+        (ct_init, ct_consts, ct_xs, _), _ = jax.lax.scan(
+            back,
+            (ct_carry, d_consts, ct_xs, bufs),
+            jnp.arange(length - 1, dtype=jnp.int32),
+            reverse=True,
+            unroll=self.unroll,
+        )
+        return _input_cotangents(avals, live, (ct_consts, ct_init, ct_xs), length, self.spaces)

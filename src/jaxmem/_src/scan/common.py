@@ -1,0 +1,168 @@
+"""What the lean and the checkpointed VJP share: input cotangents, pinned invariants, host moves,
+the loop and its primal.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.custom_derivatives import SymbolicZero
+from jax.tree_util import tree_unflatten
+
+from jaxmem._src import jax_compat as _jc
+from jaxmem._src.scan import jaxprs as _jaxprs
+from jaxmem._src.scan import residuals as _res
+from jaxmem._src.scan.hooks import _tick
+
+
+def _is_float(aval) -> bool:
+    return jnp.issubdtype(aval.dtype, jnp.inexact)
+
+
+def _zeros_ct(aval, length=None):
+    """A zero cotangent for a primal of type ``aval`` (stacked ``length`` times when given):
+    its sharding and varying manual axes kept; float0 for integer and boolean values."""
+    if length is not None:
+        aval = _jc.stacked(aval, length)
+    if _is_float(aval):
+        return _jc.zeros(aval)
+    return np.zeros(aval.shape, jax.dtypes.float0)
+
+
+def _with_zeros(avals, indices, values, length=None, zero=None):
+    """Cotangents for every primal of ``avals``: ``values`` at ``indices``, zeros elsewhere.
+
+    The zeros are ``zero(aval)`` when given (e.g. symbolic zeros for the step's VJP), else
+    arrays (stacked ``length`` times when given).
+    """
+    out = [_zeros_ct(a, length) if zero is None else zero(a) for a in avals]
+    for i, value in zip(indices, values, strict=True):
+        out[i] = value
+    return out
+
+
+class _Live(NamedTuple):
+    """Indices of the cotangents that can be nonzero: float and live (the others are zero in
+    every step, docs/design.md §2, step 5)."""
+
+    consts: list
+    carry: list
+    x: list
+    y: list
+
+
+def _live(traced, avals, ct_final, ct_ys) -> _Live:
+    """Which cotangents of a scan's backward loop can be nonzero, given the loss's.
+
+    ``avals``: (consts, carry, x, y) types of the step. Zero in every step: the ys and final carry
+    leaves the loss ignores (symbolic zeros), carry leaves that reach no output with a nonzero
+    cotangent, and the inputs that reach none. The step's VJP gets symbolic zeros for them, so
+    what only their paths read (the carry sequence of a carry the loss never sees, say) is never
+    read and XLA drops it, as lax.scan's DCE does; the loop neither carries nor emits their
+    cotangents (zeros are returned, made outside the loop).
+    """
+    const_avals, carry_avals, x_avals, y_avals = avals
+    is_zero = lambda ct: isinstance(ct, SymbolicZero)
+    live_carry, live_in = _res.live_cotangents(
+        traced,
+        [_is_float(a) and not is_zero(ct) for a, ct in zip(carry_avals, ct_final, strict=True)],
+        [_is_float(a) and not is_zero(ct) for a, ct in zip(y_avals, ct_ys, strict=True)],
+    )
+    n_in = len(const_avals) + len(carry_avals)
+    return _Live(
+        consts=[i for i, a in enumerate(const_avals) if _is_float(a) and live_in[i]],
+        carry=[i for i, a in enumerate(carry_avals) if _is_float(a) and live_carry[i]],
+        x=[i for i, a in enumerate(x_avals) if _is_float(a) and live_in[n_in + i]],
+        y=[i for i, a in enumerate(y_avals) if _is_float(a) and not is_zero(ct_ys[i])],
+    )
+
+
+def _input_cotangents(avals, live: _Live, values, length: int, spaces):
+    """The custom VJP's result: cotangents of (consts, init, xs), zeros where not live; those of
+    inputs in host memory (``spaces``) put there."""
+    const_avals, carry_avals, x_avals, _ = avals
+    ct_consts, ct_init, ct_xs = values
+    cts = (
+        _with_zeros(const_avals, live.consts, ct_consts),
+        _with_zeros(carry_avals, live.carry, ct_init),
+        _with_zeros(x_avals, live.x, ct_xs, length),
+    )
+    spaces = iter(spaces or [])
+    return tuple(
+        [
+            _to_host(ct)
+            if next(spaces, None) == jax.memory.Space.Host and ct.dtype != jax.dtypes.float0
+            else ct
+            for ct in group
+        ]
+        for group in cts
+    )
+
+
+def _has_remat(jaxpr) -> bool:
+    """Whether ``jaxpr`` runs a ``jax.checkpoint`` (its primitive is "remat2" on 0.10 and 0.12)."""
+    return any(e.primitive.name == "remat2" for e in _jaxprs.iter_eqns(jaxpr))
+
+
+def _pin_invariants(treedef, res: list, at: list, cts, ct_carry) -> list:
+    """``res`` with its loop-invariant residuals ``res[at]`` passed through a barrier with the
+    loop-carried cotangent, where the backward step would compute more bytes from them alone
+    than they hold: what a remat recomputes from them (a table of sines from positions) then
+    stays in the loop, as jax.checkpoint's ``prevent_cse`` keeps it there, where XLA would hoist
+    it out of the loop and keep it alive all along. Where it would not, the barrier would only
+    copy the residuals into every step, and ``res`` is returned as it is."""
+    backward = jax.make_jaxpr(lambda r: tree_unflatten(treedef, r)(cts))(res)
+    jaxpr = _jc.open_jaxpr(backward)
+    invariant = [i in at for i in range(len(res))]
+    own = sum(_jc.nbytes(res[i].aval) for i in at)
+    if _jaxprs.invariant_bytes(jaxpr, invariant) <= own:
+        return res
+    pinned, _ = jax.lax.optimization_barrier(([res[i] for i in at], ct_carry))
+    for i, v in zip(at, pinned, strict=True):
+        res[i] = v
+    return res
+
+
+def _to_host(x):
+    return jax.device_put(x, jax.memory.Space.Host)
+
+
+def _to_device(x):
+    return jax.device_put(x, jax.memory.Space.Device)
+
+
+def _loop_unroll(length: int, unroll):
+    """The unroll factor of :func:`scan`'s forward and backward loops: ``unroll`` where it
+    divides ``length`` (or unrolls it whole), the whole length where ``unroll`` covers more than
+    half of it, else the largest divisor of ``length`` below ``unroll``.
+
+    ``lax.scan`` runs ``length % unroll`` remainder steps after the unrolled loop by slicing each
+    scanned input in two and concatenating each output: a copy of every stack the forward loop
+    emits and the backward loop reads (1.12x lax.scan's temp at T=21, unroll=2). Unrolling is a
+    speed hint with the same results, so the loops unroll by a divisor instead.
+    """
+    u = int(unroll)
+    if isinstance(unroll, bool) or u <= 1 or length <= u or length % u == 0:
+        return unroll
+    if 2 * u > length:  # One unrolled trip and the rest: unroll it whole instead.
+        return length
+    return max(d for d in range(1, u) if length % d == 0)
+
+
+def _scan_loop(f, init, xs, length: int, reverse: bool, unroll):
+    """``jax.lax.scan`` with the unroll of :func:`_loop_unroll` (no remainder steps)."""
+    unroll = _loop_unroll(length, unroll)
+    return jax.lax.scan(f, init, xs, length=length, reverse=reverse, unroll=unroll)
+
+
+def _primal_scan(vjp, consts, init, xs):
+    """The scan itself (a custom VJP's primal, run when nothing differentiates it)."""
+
+    def step(c, x):
+        _tick(0)
+        return vjp.body(consts, c, x)
+
+    return jax.lax.scan(step, init, xs, length=vjp.length, reverse=vjp.reverse, unroll=vjp.unroll)

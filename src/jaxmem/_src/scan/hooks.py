@@ -1,0 +1,107 @@
+"""Hooks into jaxmem's loops: step counters and plan collectors, scoped with contextvars (each
+thread and context sees its own).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import jax
+
+
+class StepCounter:
+    """Counts the steps :func:`scan` evaluates at run time (see :func:`step_counter`).
+
+    Attributes:
+      forward_steps: evaluations of scan bodies so far, forward sweeps and recomputation
+        included (a step taped for its backward pass counts once; recomputation a remat policy
+        does inside one step's backward pass does not count).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import jaxmem
+      >>> with jaxmem.step_counter() as counter:
+      ...   _ = jax.block_until_ready(
+      ...       jaxmem.scan(lambda c, x: (c + x, None), 0.0, jnp.ones(5)))
+      >>> counter
+      StepCounter(forward_steps=5)
+    """
+
+    def __init__(self):
+        self.forward_steps = 0
+
+    def __repr__(self):
+        return f"StepCounter(forward_steps={self.forward_steps})"
+
+
+# The counters of the step_counter blocks active in this context (thread, task): a block in one
+# thread does not count the scans another thread traces.
+_STEP_COUNTERS: contextvars.ContextVar[tuple[StepCounter, ...]] = contextvars.ContextVar(
+    "jaxmem_step_counters", default=()
+)
+
+
+@contextlib.contextmanager
+def step_counter():
+    """Counts, at run time, the forward steps of every :func:`scan` traced inside the block.
+
+    Each evaluation of a scan's step (the forward sweep, each step recomputed from a checkpoint,
+    and each step taped for its backward pass) reports to the counter through a host callback, so
+    the count is what ran, not what was planned. Only scans *traced* inside the block count: a
+    function compiled before (and cached by ``jax.jit``) is not re-traced. Meant for tests and
+    for checking a schedule; the callbacks cost time.
+
+    Yields:
+      A :class:`StepCounter`; read ``forward_steps`` after the results are ready.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import jaxmem
+      >>> loss = lambda w: jaxmem.scan(lambda c, _: (jnp.sin(c * w), None), 1.0, None,
+      ...                              length=10, checkpoints=2)[0]
+      >>> with jaxmem.step_counter() as counter:
+      ...   jax.block_until_ready(jax.grad(loss)(0.5))
+      Array(...)
+      >>> counter.forward_steps == jaxmem.scan_residuals(
+      ...     lambda c, _: (jnp.sin(c * 0.5), None), 1.0, None, length=10,
+      ...     checkpoints=2).schedule.forward_steps
+      True
+    """
+    counter = StepCounter()
+    token = _STEP_COUNTERS.set((*_STEP_COUNTERS.get(), counter))
+    try:
+        yield counter
+    finally:
+        _STEP_COUNTERS.reset(token)
+
+
+def _tick(index):
+    """Reports one step evaluation to the counters active at trace time (nothing if none)."""
+    counters = _STEP_COUNTERS.get()
+    if not counters:
+        return
+
+    def record(_):
+        for counter in counters:
+            counter.forward_steps += 1
+
+    jax.debug.callback(record, index)
+
+
+# The collectors of the collect_plans blocks active in this context (thread, task); analysis
+# appends to each. The planner compiles in threads: a block collects what its own thread traces.
+_PLAN_COLLECTORS: contextvars.ContextVar[tuple[list, ...]] = contextvars.ContextVar(
+    "jaxmem_plan_collectors", default=()
+)
+
+
+@contextlib.contextmanager
+def collect_plans():
+    """Collects the :class:`ScanPlan` of every :func:`scan` differentiated inside the block."""
+    plans: list = []
+    token = _PLAN_COLLECTORS.set((*_PLAN_COLLECTORS.get(), plans))
+    try:
+        yield plans
+    finally:
+        _PLAN_COLLECTORS.reset(token)

@@ -1,0 +1,318 @@
+"""The lean VJP: a forward loop that stacks only partial activations (and the carry sequence once),
+a backward loop that rebuilds each step's residuals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
+from jax.tree_util import tree_unflatten
+
+from jaxmem._src import jax_compat as _jc
+from jaxmem._src import listing as _listing
+from jaxmem._src.scan import jaxprs as _jaxprs
+from jaxmem._src.scan import residuals as _res
+from jaxmem._src.scan import summary as _summary
+from jaxmem._src.scan.common import (
+    _has_remat,
+    _input_cotangents,
+    _live,
+    _loop_unroll,
+    _pin_invariants,
+    _primal_scan,
+    _scan_loop,
+    _to_device,
+    _to_host,
+    _with_zeros,
+    _zeros_ct,
+)
+from jaxmem._src.scan.hooks import _PLAN_COLLECTORS, _tick
+from jaxmem._src.scan.summary import ScanPlan
+from jaxmem._src.scan.trace import _Body
+
+
+def _pack(mask):
+    """A boolean mask kept as bits: 8 elements of the last axis to a byte (``uint8``)."""
+    return jnp.packbits(mask, axis=-1)
+
+
+def _unpack(bits, n: int):
+    """The mask :func:`_pack` packed, its last axis ``n`` long."""
+    return jnp.unpackbits(bits, axis=-1, count=n).astype(jnp.bool_)
+
+
+def _offload_masks(plan, offload, fname: str):
+    """Which stacked values and which kept carry sequences live in host memory."""
+    n_kept = sum(plan.stack_carry)
+    if offload is None:
+        return [False] * len(plan.stacked_vars), [False] * n_kept
+    if offload == "residuals":
+        return [True] * len(plan.stacked_vars), [False] * n_kept
+    if offload == "carries":
+        return [False] * len(plan.stacked_vars), [True] * n_kept
+    if offload == "all":
+        return [True] * len(plan.stacked_vars), [True] * n_kept
+    # Names: a value is named n when it is the input or the output of checkpoint_name(., n).
+    found = {_jc.eqn_checkpoint_name(e) for e in _jaxprs.iter_eqns(plan.traced.jaxpr)} - {None}
+    missing = sorted(set(offload) - found)
+    if missing:
+        raise ValueError(
+            f"{fname} got offload names {missing} that name no value of the step; the step's "
+            f"names are {sorted(found)}. Name values with jaxmem.name(x, name)."
+        )
+    named = _res.named_vars(plan.traced.jaxpr, frozenset(offload))
+    mask = [v in named for v in plan.stacked_vars]
+    return mask, [False] * n_kept
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """A step's plan and where its stacks live: what the custom VJP's rules read."""
+
+    step: _res.StepPlan
+    offload_stacked: tuple[bool, ...]  # per partial activation: kept in host memory
+    offload_carry: tuple[bool, ...]  # per kept carry sequence: kept in host memory
+    packed: tuple[int | None, ...]  # per partial activation: a mask kept as bits (its length)
+
+
+class _Saved(NamedTuple):
+    """What the forward pass keeps for the backward pass (the custom VJP's residuals)."""
+
+    consts: list
+    hoisted: list
+    xs: list
+    ys_read: list  # the ys the backward pass reads
+    stacked: list  # the partial activations, one stack each
+    carry_seq: list  # the kept carry sequences (carry-in of every step)
+    final_kept: list  # the final carry of the kept leaves (carry-out of the last step)
+    init_from_y: list  # init of the carry leaves read from ys
+
+
+class _LeanScan:
+    """The custom VJP of one :func:`scan`: a forward loop that emits the partial activations
+    and a reverse loop that rebuilds each step's residuals from them (docs/design.md §2)."""
+
+    def __init__(self, body, length, reverse, unroll, recompute, offload, fname, spaces=None):
+        # The body without its traced constants: they are the custom VJP's first argument, and
+        # a reference here (kept alive by the rules) would leak the enclosing trace's tracers.
+        self.body = _Body(body.jaxpr, [], body.n_carry, body.carry_tree, body.y_tree)
+        self.n_consts = len(body.consts)
+        self.length = length
+        self.reverse = reverse
+        self.unroll = unroll
+        self.recompute = recompute
+        self.offload = offload
+        self.fname = fname
+        # Memory spaces of the inputs: inputs in host memory get their cotangents there.
+        self.spaces = spaces
+        self.run = jax.custom_vjp(self._primal)
+        # Symbolic zeros: the backward pass learns which cotangents the loss makes zero.
+        self.run.defvjp(self._fwd, self._bwd, symbolic_zeros=True)
+
+    @functools.cached_property
+    def plan(self) -> _Plan:
+        """The plan, made on first use (it depends only on the body's input types)."""
+        jaxpr = self.body.jaxpr
+        in_avals = [v.aval for v in _jc.open_jaxpr(jaxpr).invars]
+        names = self.offload if isinstance(self.offload, frozenset) else frozenset()
+        step = _res.plan_step(
+            jaxpr, self.n_consts, self.body.n_carry, in_avals, self.recompute, names
+        )
+        stacked, carry = _offload_masks(step, self.offload, self.fname)
+        collectors = _PLAN_COLLECTORS.get()
+        if collectors:  # The summary traces stock lax.scan: only when someone asks.
+            summary = self.summary(step)
+            for collector in collectors:
+                collector.append(summary)
+        packed = tuple(
+            v.aval.shape[-1] if _jaxprs.packs_bits(v.aval) else None for v in step.stacked_vars
+        )
+        return _Plan(step, tuple(stacked), tuple(carry), packed)
+
+    def summary(self, step) -> ScanPlan:
+        return _summary.summarize(
+            step, self.length, _stock_stacked_bytes(self.body, step, self.length)
+        )
+
+    def _scan(self, f, init, xs, reverse):
+        return _scan_loop(f, init, xs, self.length, reverse, self.unroll)
+
+    def _primal(self, consts, init, xs):
+        return _primal_scan(self, consts, init, xs)
+
+    def _fwd(self, consts, init, xs):
+        # With symbolic_zeros=True each leaf comes as CustomVJPPrimal(value, perturbed).
+        consts, init, xs = jax.tree.map(
+            lambda p: p.value, (consts, init, xs), is_leaf=lambda p: isinstance(p, CustomVJPPrimal)
+        )
+        plan = self.plan
+        step_plan = plan.step
+        n_carry, n_y = self.body.n_carry, len(step_plan.y_outvars)
+        hoisted = _jc.jaxpr_as_fun(step_plan.hoist)(*consts)
+        forward = _jc.jaxpr_as_fun(step_plan.forward)
+
+        def step(carry, x):
+            _tick(0)
+            outs = forward(*consts, *hoisted, *carry, *x)
+            c_out, y, stacked = outs[:n_carry], outs[n_carry : n_carry + n_y], outs[n_carry + n_y :]
+            stacked = [_pack(v) if n else v for v, n in zip(stacked, plan.packed, strict=True)]
+            stacked = [
+                _to_host(v) if off else v
+                for v, off in zip(stacked, plan.offload_stacked, strict=True)
+            ]
+            kept = [_to_host(carry[i]) if off else carry[i] for i, off in emitted]
+            return list(c_out), (list(y), stacked, kept)
+
+        # Kept carry sequences; one whose carry-in is a y output is that ys stack (not emitted).
+        kept_leaves = [i for i, keep in enumerate(step_plan.stack_carry) if keep]
+        emitted = [
+            (i, off)
+            for i, off in zip(kept_leaves, plan.offload_carry, strict=True)
+            if step_plan.carry_seq_y[i] < 0
+        ]
+        final, (ys, stacked, carry_seq) = self._scan(step, list(init), list(xs), self.reverse)
+        carry_seq = iter(carry_seq)
+        carry_seq = [
+            ys[step_plan.carry_seq_y[i]] if step_plan.carry_seq_y[i] >= 0 else next(carry_seq)
+            for i in kept_leaves
+        ]
+        saved = _Saved(
+            consts=list(consts),
+            hoisted=list(hoisted),
+            xs=list(xs),
+            ys_read=[y for y, need in zip(ys, step_plan.need_y, strict=True) if need],
+            stacked=stacked,
+            carry_seq=carry_seq,
+            final_kept=[c for c, r in zip(final, step_plan.carry_out_read, strict=True) if r],
+            init_from_y=[init[i] for i, _ in step_plan.carry_read_from_y],
+        )
+        return (final, ys), saved
+
+    def _carry_in_from_ys(self, saved: _Saved, t):
+        """Carry-ins read from ys: step t's is y[t - 1] (y[t + 1] if reverse), or init."""
+        pairs = self.plan.step.carry_read_from_y
+        if self.length == 0:  # The loop body is traced but never runs.
+            return list(saved.init_from_y)
+        first, back = (self.length - 1, 1) if self.reverse else (0, -1)
+        prev = jnp.clip(t + back, 0, self.length - 1)
+        return [
+            jnp.where(
+                t == first,
+                init_v,
+                jax.lax.dynamic_index_in_dim(saved.ys_read[k], prev, keepdims=False),
+            )
+            for (_, k), init_v in zip(pairs, saved.init_from_y, strict=True)
+        ]
+
+    def _bwd(self, saved: _Saved, cts):
+        plan = self.plan
+        step_plan = plan.step
+        ct_final, ct_ys = cts
+        const_avals = [v.aval for v in step_plan.const_invars]
+        carry_avals = [v.aval for v in step_plan.carry_invars]
+        x_avals = [v.aval for v in step_plan.x_invars]
+        y_avals = [v.aval for v in step_plan.y_outvars]
+        avals = (const_avals, carry_avals, x_avals, y_avals)
+        live = _live(step_plan.traced, avals, ct_final, ct_ys)
+        float_consts, float_carry, float_x, float_y = live
+        rebuild = _jc.jaxpr_as_fun(step_plan.rebuild)
+        remat = _has_remat(_jc.open_jaxpr(self.body.jaxpr))
+        pin_at = [i for i, k in enumerate(step_plan.res_classes) if k == "const"] if remat else []
+        # Unrolled, the backward steps' recomputes sit beside the forward steps' computations
+        # in one straight-line program, and XLA would schedule a full remat's recompute (its
+        # residuals are the step's inputs alone) in the forward, keeping what it was to
+        # recompute: 2.5x lax.scan's temp over jax.checkpoint at T=7 unrolled. The inputs then
+        # pass a barrier with the cotangent, as jax.checkpoint's prevent_cse passes a remat's.
+        # Where the policy saves values too, the barrier measured above stock (1.10x on a body
+        # saving its dots) and the recompute from saved values stays where it is.
+        unroll = _loop_unroll(self.length, self.unroll)
+        inputs_only = all(k in ("carry", "xs", "const") for k in step_plan.res_classes)
+        pin_all = remat and inputs_only and (unroll is True or int(unroll) > 1)
+
+        def step(bcarry, inp):
+            ct_carry, ct_consts, c_out = bcarry
+            t, x, y_read, stacked_t, c_in, ct_y = inp
+            stacked_t = [
+                _to_device(v) if off else v
+                for v, off in zip(stacked_t, plan.offload_stacked, strict=True)
+            ]
+            stacked_t = [
+                _unpack(v, n) if n else v for v, n in zip(stacked_t, plan.packed, strict=True)
+            ]
+            c_in = [
+                _to_device(c) if off else c for c, off in zip(c_in, plan.offload_carry, strict=True)
+            ]
+            res = rebuild(
+                *saved.consts,
+                *saved.hoisted,
+                *x,
+                *y_read,
+                *c_out,
+                *c_in,
+                *self._carry_in_from_ys(saved, t),
+                *stacked_t,
+            )
+            cts = (
+                _with_zeros(carry_avals, float_carry, ct_carry, zero=_jc.zero_cotangent),
+                _with_zeros(y_avals, float_y, ct_y, zero=_jc.zero_cotangent),
+            )
+            if pin_all:
+                res, _ = jax.lax.optimization_barrier((list(res), ct_carry))
+            elif pin_at:
+                res = _pin_invariants(step_plan.res_treedef, list(res), pin_at, cts, ct_carry)
+            vjp_fn = tree_unflatten(step_plan.res_treedef, res)
+            d_consts, d_carry, d_x = vjp_fn(cts)
+            new_ct_consts = [
+                acc + d_consts[i] for acc, i in zip(ct_consts, float_consts, strict=True)
+            ]
+            new_ct_carry = [d_carry[i] for i in float_carry]
+            c_out = [c for c, r in zip(c_in, out_read, strict=True) if r]
+            return (new_ct_carry, new_ct_consts, c_out), [d_x[i] for i in float_x]
+
+        # Per kept carry sequence: whether its carry-out is read (the next step's carry-in).
+        out_read = [
+            r for r, k in zip(step_plan.carry_out_read, step_plan.stack_carry, strict=True) if k
+        ]
+
+        init_b = (
+            # A live leaf's final cotangent can still be a symbolic zero (the loss ignores the
+            # final carry, a y reads the carry).
+            [
+                _zeros_ct(carry_avals[i]) if isinstance(ct_final[i], SymbolicZero) else ct_final[i]
+                for i in float_carry
+            ],
+            [_zeros_ct(const_avals[i]) for i in float_consts],
+            list(saved.final_kept),
+        )
+        inputs = (
+            jnp.arange(self.length, dtype=jnp.int32),
+            saved.xs,
+            saved.ys_read,
+            saved.stacked,
+            saved.carry_seq,
+            [ct_ys[i] for i in float_y],
+        )
+        (ct_init_f, ct_consts_f, _), ct_xs_f = self._scan(step, init_b, inputs, not self.reverse)
+        values = (ct_consts_f, ct_init_f, ct_xs_f)
+        return _input_cotangents(avals, live, values, self.length, self.spaces)
+
+
+def _stock_stacked_bytes(body: _Body, plan, length: int) -> int:
+    """Bytes :func:`jax.lax.scan` stacks for the same step: its loop-stacked residuals."""
+    structs = [
+        [_jc.struct(v.aval) for v in vs]
+        for vs in (plan.const_invars, plan.carry_invars, plan.x_invars)
+    ]
+    structs[2] = [_jc.struct(_jc.stacked(v.aval, length)) for v in plan.x_invars]
+
+    def stock_loss(consts, init, xs):
+        final, ys = jax.lax.scan(lambda c, x: body(consts, c, x), init, xs, length=length)
+        leaves = [x for x in [*final, *ys] if jnp.issubdtype(x.dtype, jnp.inexact)]
+        return sum((jnp.sum(x.astype(jnp.float32)) for x in leaves), jnp.float32(0))
+
+    return _listing.loop_stacked_bytes(_listing.saved_residuals(stock_loss, *structs), length)
