@@ -77,7 +77,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from benchmarks.harness import MIN_REPEATS, format_mib, time_interleaved  # noqa: E402
 from jaxmem._src.listing import saved_residuals  # noqa: E402
-from jaxmem._src.losses.linear_ce import default_tiles, linear_cross_entropy  # noqa: E402
+from jaxmem._src.losses.linear_ce import linear_cross_entropy  # noqa: E402
+from jaxmem._src.losses.linear_ce_config import default_tiles  # noqa: E402
 from jaxmem._src.losses.trainable import merge, trainable  # noqa: E402
 
 

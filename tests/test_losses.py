@@ -409,7 +409,7 @@ def test_token_tile_options_are_checked():
 )
 def test_default_tiles_rule(n, d, v, dtype):
     """The largest block (<= 2**20 elements) whose estimated scratch fits x's bytes (or 4 MiB)."""
-    from jaxmem._src.losses.linear_ce import _scratch_bytes  # noqa: PLC0415
+    from jaxmem._src.losses.linear_ce_config import _scratch_bytes  # noqa: PLC0415
 
     size = np.dtype(dtype).itemsize
     tokens, chunk = default_tiles(n, d, v, dtype)

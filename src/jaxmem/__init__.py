@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING as _TYPE_CHECKING
 from jaxmem import losses as losses
 from jaxmem import offload as offload
 from jaxmem import policies as policies
-from jaxmem._src.losses.chunking import AutoChunked as AutoChunked
-from jaxmem._src.losses.chunking import ChunkedTail as ChunkedTail
-from jaxmem._src.losses.chunking import ChunkReport as ChunkReport
-from jaxmem._src.losses.chunking import autochunk as autochunk
+from jaxmem._src.losses.autochunk import AutoChunked as AutoChunked
+from jaxmem._src.losses.autochunk import ChunkedTail as ChunkedTail
+from jaxmem._src.losses.autochunk import ChunkReport as ChunkReport
+from jaxmem._src.losses.autochunk import autochunk as autochunk
 from jaxmem._src.losses.chunking import chunked as chunked
 from jaxmem._src.losses.trainable import merge as merge
 from jaxmem._src.losses.trainable import trainable as trainable

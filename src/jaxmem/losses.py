@@ -12,8 +12,8 @@ Examples:
   2.302585...
 """
 
-from jaxmem._src.losses.linear_ce import default_tiles as default_tiles
 from jaxmem._src.losses.linear_ce import linear_cross_entropy as linear_cross_entropy
+from jaxmem._src.losses.linear_ce_config import default_tiles as default_tiles
 
 __all__ = [
     "default_tiles",

@@ -28,9 +28,10 @@ from collections.abc import Callable
 from typing import Any
 
 from jaxmem._src import checks
+from jaxmem._src.format import format_bytes
 from jaxmem._src.listing import short_source
 from jaxmem._src.profile.buffers import Buffer
-from jaxmem._src.profile.report import MemoryReport, ProfileError, format_bytes, profile
+from jaxmem._src.profile.report import MemoryReport, ProfileError, profile
 
 __all__ = [
     "DESCRIPTION",

@@ -27,7 +27,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmem._src import checks, optional
+from jaxmem._src import checks
+from jaxmem._src import format as _fmt
+from jaxmem._src import plots as _plots
+from jaxmem._src.format import format_bytes
 from jaxmem._src.listing import ORIGINS, SavedResidual, saved_residuals, short_source
 from jaxmem._src.profile.buffers import (
     Buffer,
@@ -89,60 +92,6 @@ class ProfileError(RuntimeError):
         profile: could not trace or compile function 'bad': TypeError: ...
         TypeError
     """
-
-
-# --------------------------------------------------------------------------------------------
-# Formatting helpers
-
-
-def format_bytes(n: int | None) -> str:
-    """Human-readable size in binary units: ``"96 B"``, ``"1.50 KiB"``, ``"2.00 MiB"``.
-
-    Args:
-        n: a byte count, or None (shown as ``"n/a"``).
-
-    Returns:
-        The formatted size.
-
-    Examples:
-        >>> format_bytes(96), format_bytes(1536), format_bytes(3 * 2**30), format_bytes(None)
-        ('96 B', '1.50 KiB', '3.00 GiB', 'n/a')
-    """
-    if n is None:
-        return "n/a"
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(size) < 1024 or unit == "TiB":
-            return f"{int(size)} B" if unit == "B" else f"{size:.2f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
-
-
-def _format_ratio(r: float) -> str:
-    return "×n/a" if math.isnan(r) else f"×{r:.2f}"
-
-
-def _text_table(header: list[str], rows: list[list[str]], right: set[int]) -> str:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-
-    def line(cells: list[str]) -> str:
-        out = [
-            c.rjust(w) if i in right else c.ljust(w)
-            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-        ]
-        return "  " + "  ".join(out).rstrip()
-
-    sep = "  " + "  ".join("-" * w for w in widths)
-    return "\n".join([line(header), sep, *(line(r) for r in rows)])
-
-
-def _md_table(header: list[str], rows: list[list[str]], right: set[int]) -> str:
-    def esc(c: str) -> str:
-        return c.replace("|", "\\|")
-
-    align = ["---:" if i in right else "---" for i in range(len(header))]
-    lines = [header, align, *rows]
-    return "\n".join("| " + " | ".join(esc(c) for c in cells) + " |" for cells in lines)
 
 
 # --------------------------------------------------------------------------------------------
@@ -509,7 +458,7 @@ class MemoryReport:
         note = f" ({self.per_device_note})" if self.per_device_note else ""
         parts = [
             f"MemoryReport: {self.name}{note}",
-            _text_table(["field", "bytes", "size"], self._memory_rows(), {1, 2}),
+            _fmt.text_table(["field", "bytes", "size"], self._memory_rows(), {1, 2}),
         ]
         if self.residuals is None:
             parts.append("Residuals: n/a (the function does not return a scalar)")
@@ -518,9 +467,9 @@ class MemoryReport:
                 f"Residuals saved for the gradient ({len(self.residuals)}, largest first):"
             )
             if self.residuals:
-                parts.append(_text_table(self._RES_HEADER, self._residual_rows(), {2, 3}))
+                parts.append(_fmt.text_table(self._RES_HEADER, self._residual_rows(), {2, 3}))
             parts.append("Residual totals by origin:")
-            parts.append(_text_table(["origin", "bytes", "size"], self._totals_rows(), {1, 2}))
+            parts.append(_fmt.text_table(["origin", "bytes", "size"], self._totals_rows(), {1, 2}))
         parts += [f"jaxmem.scan #{i}: {plan}" for i, plan in enumerate(self.scan_plans)]
         parts += self._peak_lines()
         return "\n".join(parts)
@@ -559,7 +508,7 @@ class MemoryReport:
         parts = [
             f"### MemoryReport: {self.name}{note}",
             "",
-            _md_table(["field", "bytes", "size"], self._memory_rows(), {1, 2}),
+            _fmt.md_table(["field", "bytes", "size"], self._memory_rows(), {1, 2}),
             "",
         ]
         if self.residuals is None:
@@ -568,9 +517,9 @@ class MemoryReport:
             parts += [
                 f"Residuals saved for the gradient ({len(self.residuals)}, largest first):",
                 "",
-                _md_table(self._RES_HEADER, self._residual_rows(), {2, 3}),
+                _fmt.md_table(self._RES_HEADER, self._residual_rows(), {2, 3}),
                 "",
-                _md_table(["origin", "bytes", "size"], self._totals_rows(), {1, 2}),
+                _fmt.md_table(["origin", "bytes", "size"], self._totals_rows(), {1, 2}),
             ]
         return "\n".join(parts) + "\n"
 
@@ -607,26 +556,9 @@ class MemoryReport:
             labels.append(f"residual: {origin}")
             values.append(value)
             colors.append("tab:orange")
-        scale, unit = _unit_for(max(values, default=0))
-        fig = _new_figure((7, 0.45 * len(labels) + 1.2), "MemoryReport.plot")
-        ax = fig.add_subplot()
-        ypos = np.arange(len(labels))
-        ax.barh(ypos, [v / scale for v in values], color=colors)
-        ax.set_yticks(ypos, labels)
-        ax.invert_yaxis()
-        ax.set_xlabel(unit)
-        ax.set_title(f"memory of {self.name}")
-        for y, v in zip(ypos, values, strict=True):
-            ax.annotate(
-                format_bytes(v),
-                (v / scale, y),
-                xytext=(3, 0),
-                textcoords="offset points",
-                va="center",
-                fontsize=8,
-            )
-        ax.margins(x=0.2)
-        fig.tight_layout()
+        fig = _plots.bytes_bars(
+            labels, values, colors, f"memory of {self.name}", "MemoryReport.plot"
+        )
         fig.savefig(path)
         return path
 
@@ -753,7 +685,7 @@ class Comparison:
                 value = getattr(rep, field)
                 cell = format_bytes(value)
                 if value is not None:
-                    cell += f" ({_format_ratio(self.ratio(label, field))})"
+                    cell += f" ({_fmt.format_ratio(self.ratio(label, field))})"
                 row.append(cell)
             rows.append(row)
         return rows
@@ -769,7 +701,10 @@ class Comparison:
     def __str__(self) -> str:
         """One row per label, each figure with its ratio to the baseline; then each label's
         peak and its top three contributors (source lines, backward marked)."""
-        lines = [f"{self._title()}:", _text_table(self._header(), self._rows(), set(range(1, 6)))]
+        lines = [
+            f"{self._title()}:",
+            _fmt.text_table(self._header(), self._rows(), set(range(1, 6))),
+        ]
         lines.append("Peak and its top three contributors:")
         for label, rep in self.reports.items():
             lines.append(f"  {label}: {rep.peak_summary()}")
@@ -786,7 +721,7 @@ class Comparison:
         """
         return (
             f"### {self._title()}\n\n"
-            + _md_table(self._header(), self._rows(), set(range(1, 6)))
+            + _fmt.md_table(self._header(), self._rows(), set(range(1, 6)))
             + "\n"
         )
 
@@ -817,37 +752,9 @@ class Comparison:
             label: [getattr(rep, f) for f, _ in _COMPARE_COLUMNS]
             for label, rep in self.reports.items()
         }
-        largest = max((v for vals in table.values() for v in vals if v is not None), default=0)
-        scale, unit = _unit_for(largest)
-        n = len(table)
-        width = 0.8 / n
-        fig = _new_figure((max(6.0, 1.2 * len(columns) * max(1, n / 2)), 4), "Comparison.plot")
-        ax = fig.add_subplot()
-        x = np.arange(len(columns))
-        for i, (label, vals) in enumerate(table.items()):
-            heights = [math.nan if v is None else v / scale for v in vals]
-            ax.bar(x + (i - (n - 1) / 2) * width, heights, width, label=label)
-        ax.set_xticks(x, columns)
-        ax.set_ylabel(unit)
-        ax.set_title(f"memory, baseline {self.baseline!r}")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(path)
+        title = f"memory, baseline {self.baseline!r}"
+        _plots.grouped_bytes_bars(columns, table, title, "Comparison.plot").savefig(path)
         return path
-
-
-def _unit_for(largest: int) -> tuple[float, str]:
-    for power, unit in ((3, "GiB"), (2, "MiB"), (1, "KiB")):
-        if largest >= 1024**power:
-            return float(1024**power), unit
-    return 1.0, "bytes"
-
-
-def _new_figure(figsize: tuple[float, float], feature: str) -> Any:
-    # matplotlib is only needed to draw (the jaxmem[plot] extra). A bare Figure renders with
-    # Agg on savefig and touches no global pyplot/backend state.
-    figure = optional.require("matplotlib.figure", "plot", feature)
-    return figure.Figure(figsize=figsize, dpi=100)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1095,26 +1002,11 @@ def _plot_timeline(report: MemoryReport, path: Any, n_groups: int) -> Any:
     layers = np.zeros((len(top) + 1, points))
     for key, live in slices.items():
         layers[group_of_slice.get(key, len(top))] += live
-    scale, unit = _unit_for(max(b.timeline))
-    fig = _new_figure((9, 4.5), "MemoryReport.plot_timeline")
-    ax = fig.add_subplot()
-    labels = [_group_label(g) for g in top] + ["other"]
-    ax.stackplot(np.arange(points), layers / scale, labels=labels, alpha=0.85)
-    ax.axvline(b.peak_index, color="black", linestyle="--", linewidth=1)
-    late = b.peak_index > 0.7 * points  # label on the left of a late peak, inside the axes
-    ax.annotate(
-        f"peak {format_bytes(b.peak_bytes)}",
-        (b.peak_index, b.peak_bytes / scale),
-        xytext=(-5 if late else 5, 5),
-        textcoords="offset points",
-        ha="right" if late else "left",
-        fontsize=9,
-    )
-    ax.set_xlabel("program point (XLA's schedule)")
-    ax.set_ylabel(unit)
     note = f", {report.per_device_note}" if report.per_device_note else ""
-    ax.set_title(f"live memory of {report.name}{note}")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-    fig.tight_layout()
+    labels = [_group_label(g) for g in top] + ["other"]
+    fig = _plots.live_timeline(
+        layers, labels, b.peak_index, b.peak_bytes, f"live memory of {report.name}{note}",
+        "MemoryReport.plot_timeline",
+    )  # fmt: skip
     fig.savefig(path)
     return path

@@ -52,7 +52,7 @@ import numpy as np
 
 from jaxmem._src import jax_compat as _jc
 from jaxmem._src import offload as _offload
-from jaxmem._src import optional
+from jaxmem._src import plots as _plots
 from jaxmem._src.remat import auto as _auto
 from jaxmem._src.remat import policies as _policies
 
@@ -925,7 +925,6 @@ class Frontier:
             raise ValueError(f"Frontier.plot: y must be 'flops' or 'time', got {y!r}")
         if y == "time" and not any(p.step_time_s is not None for p in self.points):
             raise ValueError("Frontier.plot(y='time'): no step times; run frontier(time=True)")
-        figure = optional.require("matplotlib.figure", "plot", "Frontier.plot")
 
         def yval(p):
             if y == "time":
@@ -934,79 +933,27 @@ class Frontier:
                 return None
             return 100 * p.recompute_flops / max(self.baseline_flops, 1)
 
-        pts = [p for p in self.points if p.temp_bytes is not None and yval(p) is not None]
-        # A bare Figure (no pyplot): it renders with Agg on savefig, touching no global state.
-        fig = figure.Figure(figsize=(8, 5), dpi=110)
-        ax = fig.subplots()
-        trial = [p for p in pts if p.kind not in ("preset", "no remat")]
-        ax.scatter(
-            [p.temp_bytes / 2**20 for p in trial],
-            [yval(p) for p in trial],
-            s=14,
-            color="0.7",
-            label="other candidates compiled",
-            zorder=2,
-        )
-        front = sorted((p for p in pts if p.pareto), key=lambda p: p.temp_bytes)
-        ax.step(
-            [p.temp_bytes / 2**20 for p in front],
-            [yval(p) for p in front],
-            where="post",
-            color="tab:green",
-            lw=1.2,
-            label="Pareto frontier",
-            zorder=1,
-        )
-        for p in pts:
-            if p.kind in ("preset", "no remat"):
-                ax.scatter(
-                    p.temp_bytes / 2**20, yval(p), s=40, marker="s", color="tab:orange", zorder=3
-                )
-                ax.annotate(
-                    "nothing (full remat)"
-                    if p.key == "save nothing"
-                    else p.key.removeprefix("preset "),
-                    (p.temp_bytes / 2**20, yval(p)),
-                    textcoords="offset points",
-                    xytext=(5, 4),
-                    fontsize=8,
-                )
-        plans = [p for p in pts if p.picked_for]
-        ax.scatter(
-            [p.temp_bytes / 2**20 for p in plans],
-            [yval(p) for p in plans],
-            s=50,
-            facecolors="none",
-            edgecolors="tab:blue",
-            linewidths=1.5,
-            label="planner's picks (sweep budgets)",
-            zorder=4,
-        )
+        chosen_key, budget = None, None
         if self.chosen is not None and self.chosen.measured_temp_bytes is not None:
-            key = self.chosen.candidate.key
-            chosen = next((p for p in pts if p.key == key), None)
-            if chosen is not None:
-                ax.scatter(
-                    chosen.temp_bytes / 2**20,
-                    yval(chosen),
-                    s=180,
-                    marker="*",
-                    color="tab:red",
-                    label="chosen plan",
-                    zorder=5,
-                )
-            if self.chosen.budget is not None:
-                ax.axvline(
-                    self.chosen.budget / 2**20, color="tab:red", ls=":", lw=1, label="budget"
-                )
-        ax.set_xlabel("gradient temp memory (MiB, compiled)")
-        ax.set_ylabel(
-            "step time (ms)" if y == "time" else "recompute FLOPs (% of the no-remat gradient)"
-        )
-        ax.set_title(title or "Memory vs recompute: presets (squares) and planned policies")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="upper right")
-        fig.tight_layout()
+            chosen_key, budget = self.chosen.candidate.key, self.chosen.budget
+        points = [
+            {
+                "temp": p.temp_bytes,
+                "y": yval(p),
+                "kind": "preset" if p.kind in ("preset", "no remat") else "candidate",
+                "label": "nothing (full remat)"
+                if p.key == "save nothing"
+                else p.key.removeprefix("preset "),
+                "pareto": p.pareto,
+                "picked": bool(p.picked_for),
+                "chosen": p.key == chosen_key,
+            }
+            for p in self.points
+            if p.temp_bytes is not None and yval(p) is not None
+        ]
+        ylabel = "step time (ms)" if y == "time" else "recompute FLOPs (% of the no-remat gradient)"
+        title = title or "Memory vs recompute: presets (squares) and planned policies"
+        fig = _plots.frontier(points, ylabel=ylabel, title=title, budget=budget)
         if path is not None:
             fig.savefig(path)
         return fig
