@@ -48,7 +48,8 @@ import jax.numpy as jnp
 
 import jaxmem
 from benchmarks import harness
-from jaxmem._src.remat.planner import PRESETS, _flops
+from jaxmem._src.remat.flops import _flops
+from jaxmem._src.remat.planner import PRESETS
 
 MIB = 2**20
 

@@ -5,6 +5,7 @@ import importlib
 import inspect
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -142,3 +143,26 @@ def test_a_clone_named_jaxmem_beside_a_script_does_not_shadow_the_package(tmp_pa
     installed = "site-packages" in path
     assert installed or Path(path).resolve() == ROOT / "src" / "jaxmem" / "__init__.py", path
     assert name == "scan"
+
+
+def test_warn_once_warns_once_from_many_threads():
+    # The planner compiles candidates in threads: a warning given "once per process" must not be
+    # given by two threads that race past the check.
+    import concurrent.futures  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+
+    from jaxmem._src import checks  # noqa: PLC0415
+
+    key = f"test-key-{threading.get_ident()}"
+    barrier = threading.Barrier(8)
+
+    def call(_):
+        barrier.wait()
+        return checks.warn_once(key, lambda: "once", UserWarning, 1)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            warned = list(pool.map(call, range(8)))
+    assert sum(warned) == 1
+    assert [str(w.message) for w in caught] == ["once"]

@@ -300,7 +300,8 @@ def test_unknown_module(tmp_path):
 
 
 def test_metadata_sources_both_forms():
-    from jaxmem._src.profile.buffers import _metadata, _op_name_parts, _source
+    from jaxmem._src.profile.buffers import _op_name_parts  # noqa: PLC0415
+    from jaxmem._src.profile.xla_dump import _metadata, _source  # noqa: PLC0415
 
     frames = {3: "/a/f.py:7 (loss)"}
     attrs = ', index=2, metadata={op_name="jit(f)/transpose(jvp())/sin" stack_frame_id=3}'

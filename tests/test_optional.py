@@ -13,7 +13,7 @@ import sys
 sys.modules["matplotlib"] = None  # import matplotlib... raises ImportError, as if not installed
 import jax.numpy as jnp
 import jaxmem
-from jaxmem._src.remat.planner import Frontier, FrontierPoint
+from jaxmem._src.remat.frontier import Frontier, FrontierPoint
 
 def loss(w):
     return jnp.sum(jnp.tanh(w) ** 2)

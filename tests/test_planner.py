@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import jaxmem
+from jaxmem._src import checks
 from jaxmem._src.remat import auto as _auto
 
 NO_REMAT = jaxmem.Plan(no_remat=True)
@@ -303,7 +304,7 @@ def test_plan_policy_is_a_name_policy():
 
 
 def test_auto_outside_a_plan_warns_once_and_is_no_remat(monkeypatch):
-    monkeypatch.setattr(_auto, "_warned", False)
+    monkeypatch.setattr(checks, "_WARNED", checks._WARNED - {_auto.OUTSIDE_A_PLAN})
 
     def f(w, xs):
         step = lambda h, x: (jnp.tanh(jaxmem.name(h * w + x, "mlp_act")), None)  # noqa: E731

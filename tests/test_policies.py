@@ -25,6 +25,7 @@ import pytest
 
 import jaxmem
 import jaxmem.policies as policies
+from jaxmem._src import checks
 from jaxmem._src import jax_compat as _jc
 from jaxmem._src.listing import saved_residuals
 from jaxmem._src.remat import policies as policies_src
@@ -542,7 +543,7 @@ def test_offload_is_supported_here_without_a_warning():
 
 def test_unsupported_offload_warns_once_and_saves_on_device(monkeypatch):
     monkeypatch.setattr(policies_src, "_offload_supported", lambda: False)
-    monkeypatch.setattr(policies_src, "_offload_warned", False)
+    monkeypatch.setattr(checks, "_WARNED", checks._WARNED - {policies_src.OFFLOAD_FALLBACK})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         # Policies used nowhere else: JAX caches partial evaluation per (jaxpr, policy).

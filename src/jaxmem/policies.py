@@ -23,7 +23,6 @@ from jaxmem._src.remat.policies import OffloadFallbackWarning as OffloadFallback
 from jaxmem._src.remat.policies import Policy as Policy
 from jaxmem._src.remat.policies import Save as Save
 from jaxmem._src.remat.policies import Selective as Selective
-from jaxmem._src.remat.policies import by_name as by_name
 from jaxmem._src.remat.policies import custom as custom
 from jaxmem._src.remat.policies import dots as dots
 from jaxmem._src.remat.policies import dots_no_batch as dots_no_batch
@@ -33,6 +32,7 @@ from jaxmem._src.remat.policies import nothing as nothing
 from jaxmem._src.remat.policies import offload as offload
 from jaxmem._src.remat.policies import save as save
 from jaxmem._src.remat.policies import selective as selective
+from jaxmem._src.remat.presets import by_name as by_name
 
 __all__ = [
     "ACTIONS",

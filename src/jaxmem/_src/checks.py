@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 import reprlib
+import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +24,42 @@ _repr.maxstring = 40
 _repr.maxother = 40
 
 _PY_SCALARS = (bool, int, float, complex)
+
+# The warnings given once per process (by key): one registry behind a lock, since the planner
+# compiles candidates in threads.
+_WARNED: set[str] = set()
+_WARNED_LOCK = threading.Lock()
+
+
+def warn_once(
+    key: str, message: Callable[[], str], category: type[Warning], stacklevel: int
+) -> bool:
+    """Warns ``message()`` the first time ``key`` is seen in this process (from any thread).
+
+    Args:
+        key: what the warning is about; a second call with the same key does nothing.
+        message: builds the text (only when it is shown).
+        category: the warning class.
+        stacklevel: as for :func:`warnings.warn`, counted from the caller of ``warn_once``.
+
+    Returns:
+        Whether this call warned.
+
+    Examples:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     _ = warn_once("doctest-key", lambda: "shown once", UserWarning, 1)
+        ...     _ = warn_once("doctest-key", lambda: "shown once", UserWarning, 1)
+        >>> [str(w.message) for w in caught]
+        ['shown once']
+    """
+    with _WARNED_LOCK:
+        if key in _WARNED:
+            return False
+        _WARNED.add(key)
+    warnings.warn(message(), category, stacklevel=stacklevel + 1)
+    return True
 
 
 def describe(x: Any) -> str:

@@ -42,7 +42,7 @@ from flax.core import FrozenDict, axes_scan, lift, meta
 from flax.core.scope import Scope
 from jax.tree_util import keystr, tree_flatten_with_path
 
-from jaxmem._src.remat import policies as _policies
+from jaxmem._src.remat import presets as _presets
 from jaxmem._src.scan import api as _scan
 from jaxmem._src.scan.options import ScanOptions, check_checkpoints
 
@@ -794,7 +794,7 @@ def remat(
       ValueError: jaxmem.flax.linen.remat: jaxmem.policies.by_name: unknown policy 'full'; ...
     """
     fname = "jaxmem.flax.linen.remat"
-    policy = _policies.resolve(policy, fname)
+    policy = _presets.resolve(policy, fname)
     opts = dict(policy=policy, prevent_cse=prevent_cse, static_argnums=static_argnums, **kwargs)
     if module_cls is None:
         return functools.partial(_remat, fname=fname, **opts)

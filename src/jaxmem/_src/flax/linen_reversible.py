@@ -34,7 +34,7 @@ from jaxmem._src.flax.linen import (
     _check_length,
     _check_module_class,
 )
-from jaxmem._src.remat import policies as _policies
+from jaxmem._src.remat import presets as _presets
 from jaxmem._src.scan.options import check_unroll
 
 # ------------------------------------------------------------------------------------------
@@ -86,7 +86,7 @@ def _aval(shape: tuple, dtype: Any) -> str:
 
 
 def _check_options(policy, anchor_every, unroll, length, fname):
-    policy = _policies.resolve(policy, fname)
+    policy = _presets.resolve(policy, fname)
     _rev.check_anchor(anchor_every, length, fname)
     check_unroll(unroll, fname)
     return policy

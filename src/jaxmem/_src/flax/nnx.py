@@ -46,7 +46,7 @@ from jaxmem._src.flax.linen import (
     _check_scan_options,
 )
 from jaxmem._src.remat import auto as _auto
-from jaxmem._src.remat import policies as _policies
+from jaxmem._src.remat import presets as _presets
 from jaxmem._src.scan import api as _scan
 from jaxmem._src.scan.options import ScanOptions, infer_length
 
@@ -652,7 +652,7 @@ def remat(
       TypeError: jaxmem.flax.nnx.remat got the bound method MLP.__call__ ...
     """
     fname = "jaxmem.flax.nnx.remat"
-    policy = _policies.resolve(policy, fname)
+    policy = _presets.resolve(policy, fname)
     opts = dict(policy=policy, prevent_cse=prevent_cse, static_argnums=static_argnums)
     if f is None:
         return functools.partial(_remat, fname=fname, **opts)

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from jaxmem._src import checks
 from jaxmem._src import jax_compat as _jc
 
 AUTO = "auto"
@@ -48,7 +48,7 @@ _STATE = _jc.trace_keyed_state(
     None,
     'What policy="auto" means in jaxmem stacks (set by jaxmem.use_plan; None: no plan).',
 )
-_warned = False
+OUTSIDE_A_PLAN = "policy=auto outside a plan"  # the key of its warning (checks.warn_once)
 
 
 def is_auto(policy: Any) -> bool:
@@ -71,21 +71,21 @@ def current() -> Setting | None:
 
 def resolve(policy: Any, fname: str) -> Any:
     """``"auto"`` -> the active plan's policy (None, with a one-time warning, outside a plan)."""
-    global _warned
     if not is_auto(policy):
         return policy
     active = current()
     if active is not None:
         return active.policy
-    if not _warned:
-        _warned = True
-        warnings.warn(
+    checks.warn_once(
+        OUTSIDE_A_PLAN,
+        lambda: (
             f'{fname} got policy="auto" outside any plan: no remat (every residual is saved). '
             "Wrap the trace in `with jaxmem.use_plan(jaxmem.plan(loss_fn, *args, budget=...)):` "
-            "to choose a policy for a memory budget.",
-            UserWarning,
-            stacklevel=4,
-        )
+            "to choose a policy for a memory budget."
+        ),
+        UserWarning,
+        stacklevel=4,
+    )
     return None
 
 

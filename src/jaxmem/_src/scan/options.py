@@ -13,7 +13,7 @@ from jax.tree_util import keystr, tree_flatten_with_path
 from jaxmem._src import checks
 from jaxmem._src import jax_compat as _jc
 from jaxmem._src.remat import auto as _auto
-from jaxmem._src.remat import policies as _policies
+from jaxmem._src.remat import presets as _presets
 from jaxmem._src.scan import schedule as _schedule
 
 
@@ -59,7 +59,7 @@ class ScanOptions:
         ``fname`` in the errors."""
         return cls(
             fname=fname,
-            policy=_policies.resolve(policy, fname),
+            policy=_presets.resolve(policy, fname),
             offload=check_offload(offload, fname),
             recompute=check_recompute(recompute, fname),
             unroll=check_unroll(unroll, fname),
@@ -168,7 +168,7 @@ def apply_policy(f, policy, fname: str):
 
     ``policy="auto"`` is resolved here, at trace time, by the active :func:`jaxmem.use_plan`.
     """
-    policy = _auto.resolve(_policies.resolve(policy, fname), fname)
+    policy = _auto.resolve(_presets.resolve(policy, fname), fname)
     if policy is None:
         return f
     checks.check_callable(f, "the body f(carry, x)", fname)

@@ -1,0 +1,471 @@
+"""Readers of the text XLA dumps: the optimized HLO module (instructions, their metadata and source
+lines, what each value comes from) and the buffer assignment with its live ranges.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+import jax
+
+# read_buffers (in buffers.py) compiles a function of its own; its frames are not the user's.
+_READER_FILE = os.path.realpath(os.path.join(os.path.dirname(__file__), "buffers.py"))
+_TESTED = "0.10.2 and 0.12.0.1"  # the versions whose dump formats the tests read
+
+
+class BufferDumpError(ValueError):
+    """XLA's dump of a compiled module is missing a file or holds a line this module cannot read.
+
+    The message names the file (and line) and the JAX version, whose XLA wrote the dump.
+
+    Examples:
+        >>> from jaxmem._src.profile.buffers import read_dump  # reads a dump directory
+        >>> try:
+        ...     read_dump("/nonexistent")
+        ... except BufferDumpError as e:
+        ...     print(e)
+        no XLA buffer assignment (*-buffer-assignment.txt) in /nonexistent (jax ...)
+    """
+
+
+def _error(what: str, path: str | None = None, lineno: int | None = None, line: str = ""):
+    """A :class:`BufferDumpError` for a line or file of a dump that cannot be read."""
+    where = ""
+    if path is not None:
+        where = f" in {os.path.basename(path)}" + (f", line {lineno}" if lineno else "")
+        where += f" ({path})" if lineno is None else ""
+    shown = f": {line.strip()[:200]!r}" if line else ""
+    return BufferDumpError(
+        f"{what}{where}{shown}: jax {jax.__version__} wrote a format jaxmem cannot read "
+        f"(jaxmem reads the dumps of jax {_TESTED})"
+    )
+
+
+def _missing(what: str) -> BufferDumpError:
+    """A :class:`BufferDumpError` for a dump file that is not there."""
+    hint = ""
+    cache_dir = jax.config.jax_compilation_cache_dir
+    if cache_dir and jax.config.jax_enable_compilation_cache:
+        hint = (
+            f"; the persistent compilation cache ({cache_dir}) may have served the executable "
+            "without compiling it, and XLA dumps only what it compiles (JAX leaves the dump "
+            "options out of the cache key): disable the cache from the start of the process "
+            "(JAX_ENABLE_COMPILATION_CACHE=false) to read buffers"
+        )
+    return BufferDumpError(f"{what} (jax {jax.__version__}){hint}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Instr:
+    name: str
+    computation: str
+    opcode: str
+    operands: tuple[str, ...]
+    operand_text: str  # the text inside the operand parentheses ("0" for parameter(0))
+    attrs: str  # everything after the operand list
+    op_name: str
+    source: str  # "file:line (function)" or ""
+    is_root: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class _Module:
+    instrs: dict[str, _Instr]
+    roots: dict[str, str]  # computation -> root instruction
+    callers: dict[str, str]  # called computation -> calling instruction (fusion/while/call)
+
+
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\) -> .*\{$")
+
+
+_INSTR = re.compile(r"^\s*(ROOT )?%?([\w.\-]+) = (.*)$")
+
+
+_TABLE_ROW = re.compile(r"^(\d+) (.*)$")
+
+
+_KV = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|[^\s,}]+)')
+
+
+_CALLS = re.compile(r"\b(?:calls|body|condition|to_apply|branch_computations)=(\{[^}]*\}|[^,\s]+)")
+
+
+def _matching(text: str, start: int) -> int:
+    """Index of the parenthesis closing the one at ``text[start]``."""
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] == "(":
+            depth += 1
+        elif text[i] == ")":
+            depth -= 1
+            if depth == 0:
+                return i
+    return -1
+
+
+def _unquote(v: str) -> str:
+    if len(v) >= 2 and v[0] == v[-1] == '"':
+        return re.sub(r"\\(.)", r"\1", v[1:-1])
+    return v
+
+
+def _metadata(attrs: str) -> dict[str, str]:
+    i = attrs.find("metadata={")
+    if i < 0:
+        return {}
+    body = attrs[i + len("metadata={") :]
+    out = {}
+    pos = 0
+    while True:
+        m = _KV.match(body, pos)
+        if m is None:
+            break
+        out[m.group(1)] = _unquote(m.group(2))
+        pos = m.end()
+        while pos < len(body) and body[pos] == " ":
+            pos += 1
+        if pos >= len(body) or body[pos] == "}":
+            break
+    return out
+
+
+def _read_tables(lines: list[str], path: str) -> dict[str, dict[int, str]]:
+    tables: dict[str, dict[int, str]] = {}
+    current = None
+    for lineno, line in enumerate(lines, 1):
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            current = tables.setdefault(line, {})
+            continue
+        if current is None:
+            continue
+        if not line.strip():
+            current = None
+            continue
+        m = _TABLE_ROW.match(line)
+        if m is None:
+            raise _error("unknown row in a stack-frame table", path, lineno, line)
+        current[int(m.group(1))] = m.group(2)
+    return tables
+
+
+def _frame_sources(tables: dict[str, dict[int, str]], path: str) -> dict[int, str]:
+    """``stack_frame_id -> "file:line (function)"`` of the frame itself (the innermost one)."""
+    files = {k: _unquote(v) for k, v in tables.get("FileNames", {}).items()}
+    functions = {k: _unquote(v) for k, v in tables.get("FunctionNames", {}).items()}
+    locations = {}
+    for k, v in tables.get("FileLocations", {}).items():
+        kv = dict(_KV.findall(v))
+        try:
+            file_ = files[int(kv["file_name_id"])]
+            fn = functions.get(int(kv.get("function_name_id", 0)), "")
+            locations[k] = f"{file_}:{int(kv['line'])}" + (f" ({fn})" if fn else "")
+            if os.path.realpath(file_) == _READER_FILE:  # read_buffers' own jit: no user frame
+                locations[k] = ""
+        except (KeyError, ValueError) as e:
+            raise _error(f"unknown FileLocations row {k}", path, None, v) from e
+    frames = {}
+    for k, v in tables.get("StackFrames", {}).items():
+        kv = dict(_KV.findall(v))
+        try:
+            frames[k] = locations[int(kv["file_location_id"])]
+        except (KeyError, ValueError) as e:
+            raise _error(f"unknown StackFrames row {k}", path, None, v) from e
+    return frames
+
+
+def _source(meta: dict[str, str], frames: dict[int, str]) -> str:
+    if "stack_frame_id" in meta:
+        return frames.get(int(meta["stack_frame_id"]), "")
+    if "source_file" in meta:  # older XLA: the innermost user frame, inline
+        line = meta.get("source_line", "")
+        return f"{meta['source_file']}:{line}" if line else meta["source_file"]
+    return ""
+
+
+def _read_module(path: str) -> _Module:
+    lines = _read_lines(path)
+    frames = _frame_sources(_read_tables(lines, path), path)
+    instrs: dict[str, _Instr] = {}
+    roots: dict[str, str] = {}
+    callers: dict[str, str] = {}
+    computation = None
+    for lineno, line in enumerate(lines, 1):
+        if computation is None:
+            m = _COMPUTATION.match(line)
+            if m is not None:
+                computation = m.group(1)
+            continue
+        if line.startswith("}"):
+            computation = None
+            continue
+        if not line.strip():
+            continue
+        m = _INSTR.match(line)
+        if m is None:
+            raise _error("unknown HLO instruction line", path, lineno, line)
+        is_root, name, rest = bool(m.group(1)), m.group(2), m.group(3)
+        # Skip the shape: a tuple "(...)" or one token.
+        if rest.startswith("("):
+            end = _matching(rest, 0)
+            rest = rest[end + 1 :].lstrip() if end >= 0 else ""
+        else:
+            rest = rest.split(" ", 1)[1] if " " in rest else ""
+        om = re.match(r"([\w\-]+)\(", rest)
+        if om is None:
+            raise _error("unknown HLO instruction line", path, lineno, line)
+        close = _matching(rest, om.end() - 1)
+        if close < 0:
+            raise _error("unbalanced parentheses in an HLO instruction", path, lineno, line)
+        operands = tuple(re.findall(r"%([\w.\-]+)", rest[om.end() : close]))
+        attrs = rest[close + 1 :]
+        meta = _metadata(attrs)
+        instrs[name] = _Instr(
+            name,
+            computation,
+            om.group(1),
+            operands,
+            rest[om.end() : close],
+            attrs,
+            meta.get("op_name", ""),
+            _source(meta, frames),
+            is_root,
+        )
+        if is_root:
+            roots[computation] = name
+        for called in _CALLS.findall(attrs):
+            for c in called.strip("{}").split(","):
+                callers.setdefault(c.strip().lstrip("%"), name)
+    if not instrs:
+        raise _error("no HLO computation found", path)
+    return _Module(instrs, roots, callers)
+
+
+# Opcodes that only move or wrap data: their metadata (if any) says less than their operand's.
+_PASS_THROUGH = {"tuple", "get-tuple-element", "parameter", "while", "dynamic-update-slice"}
+
+
+def _origin(
+    module: _Module, name: str, index: tuple[int, ...], seen: frozenset = frozenset()
+) -> _Instr | None:
+    """The instruction whose metadata best says where the value ``name{index}`` comes from.
+
+    Follows tuples, get-tuple-elements, loop state (to what the loop body writes into the slot),
+    fusions (to their root), fusion parameters (to the fusion's operand), dynamic-update-slices
+    (to the update) and copies/bitcasts without metadata, to the first instruction with a
+    source location; falls back to the value's own instruction.
+    """
+    instr = module.instrs.get(name)
+    if instr is None or (name, index) in seen or len(seen) > 256:
+        return None
+    seen = seen | {(name, index)}
+    own = instr if instr.source or instr.op_name else None
+    if instr.source and instr.opcode not in _PASS_THROUGH | {"fusion", "copy", "bitcast"}:
+        return instr
+    nxt: tuple[str, tuple[int, ...]] | None = None
+    op = instr.opcode
+    if op == "tuple" and index and index[0] < len(instr.operands):
+        nxt = (instr.operands[index[0]], index[1:])
+    elif op == "get-tuple-element" and instr.operands:
+        m = re.search(r"\bindex=(\d+)", instr.attrs)
+        if m is not None:
+            nxt = (instr.operands[0], (int(m.group(1)), *index))
+    elif op == "while":
+        body = re.search(r"\bbody=%?([\w.\-]+)", instr.attrs)
+        if body is not None and body.group(1) in module.roots:
+            nxt = (module.roots[body.group(1)], index)
+    elif op == "parameter":
+        caller = module.instrs.get(module.callers.get(instr.computation, ""))
+        if caller is not None and caller.opcode == "while":
+            nxt = (caller.name, index)  # loop state: what the body writes into the slot
+        elif caller is not None and caller.opcode in ("fusion", "call"):
+            num = instr.operand_text.strip()
+            if num.isdigit() and int(num) < len(caller.operands):
+                nxt = (caller.operands[int(num)], index)
+    elif op == "fusion":
+        calls = re.search(r"\bcalls=%?([\w.\-]+)", instr.attrs)
+        if calls is not None and calls.group(1) in module.roots:
+            nxt = (module.roots[calls.group(1)], index)
+    elif op == "dynamic-update-slice" and len(instr.operands) > 1:
+        nxt = (instr.operands[1], index)  # the update written into the buffer
+    elif op in ("copy", "bitcast") and instr.operands:
+        if instr.source:
+            return instr
+        nxt = (instr.operands[0], index)
+    if nxt is not None:
+        found = _origin(module, nxt[0], nxt[1], seen)
+        if found is not None and (found.source or not own):
+            return found
+    return own
+
+
+@dataclasses.dataclass(frozen=True)
+class _Value:
+    name: str
+    instruction: str
+    index: tuple[int, ...]
+    phi: bool
+    color: int
+    size: int
+    offset: int
+    shape: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Allocation:
+    index: int
+    size: int
+    kind: str
+    color: int
+    live_out: bool  # holds an output (an argument that does is donated: aliased)
+    values: tuple[_Value, ...]
+
+
+_ALLOCATION = re.compile(r"^allocation (\d+): (?:0x[0-9a-f]+, )?size (\d+)(.*):$")
+
+
+_VALUE = re.compile(
+    r"^ value: <(\d+) ([\w.\-]+)(\{[\d,]*\})?( \(phi\))?(?: @(\d+))?> "
+    r"\(size=(\d+),offset=(\d+)\): (.*)$"
+)
+
+
+_TRAILERS = ("Total bytes used", "Used values", "BufferAssignment stats")
+
+
+def _allocation_kind(flags: str) -> str:
+    # XLA's preallocated temp is what is none of the others (BufferAllocation::
+    # IsPreallocatedTempBuffer), marked "preallocated-temp".
+    if ", parameter " in flags:
+        return "argument"
+    if "output shape is" in flags or "maybe-live-out" in flags:
+        return "output"
+    if ", constant" in flags:
+        return "constant"
+    if ", thread-local" in flags:
+        return "thread-local"
+    return "temp"
+
+
+def _read_lines(path: str) -> list[str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().splitlines()
+    except OSError as e:
+        raise _missing(f"could not read the XLA dump file {path}: {e}") from e
+
+
+def _read_assignment(path: str) -> list[_Allocation]:
+    allocations: list[_Allocation] = []
+    header = None
+    values: list[_Value] = []
+
+    def close():
+        if header is not None:
+            allocations.append(dataclasses.replace(header, values=tuple(values)))
+
+    for lineno, line in enumerate(_read_lines(path), 1):
+        if not line.strip() or line.strip() == "BufferAssignment:":
+            continue
+        if line.startswith(_TRAILERS):
+            break
+        if line.startswith("allocation "):
+            m = _ALLOCATION.match(line)
+            if m is None:
+                raise _error("unknown allocation line", path, lineno, line)
+            close()
+            flags = m.group(3)
+            color = re.search(r", color (\d+)", flags)
+            header = _Allocation(
+                int(m.group(1)),
+                int(m.group(2)),
+                _allocation_kind(flags),
+                int(color.group(1)) if color else 0,
+                "maybe-live-out" in flags or "output shape is" in flags,
+                (),
+            )
+            values = []
+            continue
+        m = _VALUE.match(line)
+        if m is None or header is None:
+            raise _error("unknown line", path, lineno, line)
+        index = tuple(int(i) for i in (m.group(3) or "{}")[1:-1].split(",") if i)
+        values.append(
+            _Value(
+                m.group(2) + (m.group(3) or ""),
+                m.group(2),
+                index,
+                bool(m.group(4)),
+                int(m.group(5) or header.color),
+                int(m.group(6)),
+                int(m.group(7)),
+                m.group(8),
+            )
+        )
+    close()
+    if not allocations:
+        raise _error("no allocation found", path)
+    return allocations
+
+
+@dataclasses.dataclass(frozen=True)
+class _LiveRanges:
+    program: tuple[str, ...]
+    ranges: dict[str, tuple[int, int]]  # "name{index}" -> (start, end)
+    peak: int | None
+
+
+_SEQ_ROW = re.compile(r"^\s+(\d+):(\S+)$")
+
+
+_RANGE_ROW = re.compile(r"^\s+(\S+\{[\d,]*\}):(-?\d+)-(-?\d+)$")
+
+
+def _read_live_ranges(path: str) -> _LiveRanges:
+    program: list[str] = []
+    ranges: dict[str, tuple[int, int]] = {}
+    peak = None
+    section = None
+    for lineno, line in enumerate(_read_lines(path), 1):
+        stripped = line.strip()
+        if not stripped:
+            continue
+        if stripped.startswith("HloLiveRange"):
+            section = "head"
+        elif stripped == "InstructionSequence:":
+            section = "sequence"
+        elif stripped == "BufferLiveRange:":
+            section = "ranges"
+        elif stripped.startswith("Live ranges at"):
+            m = re.match(r"Live ranges at (\d+)", stripped)
+            peak = int(m.group(1)) if m else None
+            break  # the rest (XLA's own peak listing, a stack-trace tree) is not needed
+        elif section == "sequence":
+            m = _SEQ_ROW.match(line)
+            if m is None or int(m.group(1)) != len(program):
+                raise _error("unknown instruction-sequence line", path, lineno, line)
+            program.append(m.group(2))
+        elif section == "ranges":
+            m = _RANGE_ROW.match(line)
+            if m is None:
+                raise _error("unknown live-range line", path, lineno, line)
+            ranges[m.group(1)] = (int(m.group(2)), int(m.group(3)))
+        else:
+            raise _error("unknown line", path, lineno, line)
+    if not program or not ranges:
+        raise _error("no InstructionSequence or BufferLiveRange section", path)
+    return _LiveRanges(tuple(program), ranges, peak)
+
+
+_ARRAY_SHAPE = re.compile(r"^(\w+)\[([^\]]*)\]")
+
+
+def _shape(text: str) -> tuple[tuple[int, ...], str]:
+    if text.startswith("("):
+        return (), "tuple"
+    m = _ARRAY_SHAPE.match(text)
+    if m is None:
+        return (), text.split("{")[0]
+    dims = tuple(int(re.sub(r"\D", "", d)) for d in m.group(2).split(",") if d.strip())
+    return dims, m.group(1)
