@@ -163,3 +163,25 @@ def test_the_private_name_check_finds_one(tmp_path):
     found = _private_uses(path, "jaxmem._src.flax.linen")
     assert sorted(found) == ["jaxmem._src.scan.api._check_thing", "jaxmem._src.scan.api._prepare"]
     assert _private_uses(path, "jaxmem._src.scan.other") == []  # within its own unit
+
+
+# A module a newcomer can read in one sitting; past this, split it by concern.
+MAX_LINES = 800
+
+
+def test_no_module_is_over_800_lines():
+    long = {
+        m: n
+        for m, path in MODULES.items()
+        if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES
+    }
+    assert not long, long
+
+
+def test_the_top_of_src_holds_leaves_and_one_package_per_concern():
+    top = sorted(p.stem for p in (ROOT / "jaxmem" / "_src").glob("*.py") if p.stem != "__init__")
+    packages = sorted(
+        p.name for p in (ROOT / "jaxmem" / "_src").iterdir() if (p / "__init__.py").is_file()
+    )
+    assert packages == ["flax", "losses", "profile", "remat", "scan"]
+    assert len(top) < 12, top  # 24 flat modules before the subpackages

@@ -38,10 +38,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax.core import FrozenDict, axes_scan, lift, meta
-from flax.core.scope import Scope
+from flax.core import FrozenDict, meta
 from jax.tree_util import keystr, tree_flatten_with_path
 
+from jaxmem._src.flax import compat as _compat
 from jaxmem._src.remat import presets as _presets
 from jaxmem._src.scan import api as _scan
 from jaxmem._src.scan.options import ScanOptions, check_checkpoints
@@ -91,13 +91,13 @@ _NN_SCAN_WAY_OUT = "Use flax.linen.scan (nn.scan) for this module instead."
 
 
 def _to_front(ax, xs):
-    if ax is axes_scan.broadcast:
+    if ax is _compat.BROADCAST:
         return ()
     return jax.tree_util.tree_map(lambda x: jnp.moveaxis(x, ax, 0), xs)
 
 
 def _from_front(ax, ys):
-    if ax is axes_scan.broadcast:
+    if ax is _compat.BROADCAST:
         return ()
     return jax.tree_util.tree_map(lambda y: jnp.moveaxis(y, 0, ax), ys)
 
@@ -135,7 +135,7 @@ def _axes_scan(
     computed once outside the loop (when ``check_constancy``) and fed to the loop body.
     ``on_loop()`` runs between that broadcast step and the loop.
     """
-    bcast = axes_scan.broadcast
+    bcast = _compat.BROADCAST
 
     def run(broadcast_in, init, *args):
         xs = jax.tree_util.tree_map(_to_front, in_axes, args)
@@ -179,62 +179,11 @@ def _axes_scan(
     return run
 
 
-def _scopes(scope_tree: Any) -> list[Scope]:
-    return jax.tree_util.tree_leaves(scope_tree, is_leaf=lambda x: isinstance(x, Scope))
-
-
-def _snapshot(counters: dict) -> dict:
-    return {k: _snapshot(v) if isinstance(v, dict) else v for k, v in counters.items()}
-
-
-def _restore(counters: dict, snap: dict):
-    """Sets the (nested) counter dict ``counters`` back to ``snap``, in place."""
-    for k in [k for k in counters if k not in snap]:
-        del counters[k]
-    for k, v in snap.items():
-        if isinstance(v, dict):
-            if not isinstance(counters.get(k), dict):
-                counters[k] = {}
-            _restore(counters[k], v)
-        else:
-            counters[k] = v
-
-
-class _RngPin:
-    """Makes every trace of the loop body see the same RNG counters, as one lax.scan trace would.
-
-    Each trace of the body advances the scopes' RNG counters (``make_rng``). ``nn.scan`` traces
-    its body once for the broadcast outputs, then once in ``lax.scan``; :func:`jaxmem.scan` may
-    trace it more than once. After :meth:`start_loop`, the first trace runs from the counters
-    it finds and leaves them advanced; later traces start from the same counters and leave the
-    advanced ones in place. So the random streams are nn.scan's.
-    """
-
-    def __init__(self):
-        self.start: list[dict] | None = None
-
-    def start_loop(self):
-        self.start = None
-
-    def __call__(self, scope_tree, run):
-        live = [s.rng_counters for s in _scopes(scope_tree)]
-        if self.start is None:
-            self.start = [_snapshot(d) for d in live]
-            return run()
-        after = [_snapshot(d) for d in live]
-        for d, snap in zip(live, self.start, strict=True):
-            _restore(d, snap)
-        out = run()
-        for d, snap in zip(live, after, strict=True):
-            _restore(d, snap)
-        return out
-
-
 def _scan_length(in_axes, args, length):
     """The number of steps: ``length``, or the scanned inputs' size (``lift.scan``'s rule)."""
 
     def find_length(axis, x):
-        if axis is not axes_scan.broadcast:
+        if axis is not _compat.BROADCAST:
             leaves = jax.tree_util.tree_leaves(x)
             if leaves:
                 return leaves[0].shape[axis]
@@ -283,21 +232,21 @@ def _lift_scan(
     scan_kwargs: Mapping[str, Any],
 ):
     """``flax.core.lift.scan`` with ``jaxmem.scan`` as its loop (same rng and variable layout)."""
-    variable_in_axes, variable_out_axes = lift._split_in_out_axes(variable_axes)
-    variable_in_groups, variable_in_axes = lift._unzip2(variable_in_axes.items())
-    variable_out_groups, variable_out_axes = lift._unzip2(variable_out_axes.items())
-    rng_groups, rng_splits = lift._unzip2(split_rngs.items())
-    rng_axes = tuple(0 if split else axes_scan.broadcast for split in rng_splits)
+    variable_in_axes, variable_out_axes = _compat.split_in_out_axes(variable_axes)
+    variable_in_groups, variable_in_axes = _compat.unzip2(variable_in_axes.items())
+    variable_out_groups, variable_out_axes = _compat.unzip2(variable_out_axes.items())
+    rng_groups, rng_splits = _compat.unzip2(split_rngs.items())
+    rng_axes = tuple(0 if split else _compat.BROADCAST for split in rng_splits)
 
     def inner(scope_fn, repack_fn, variable_groups, rng_groups, init, *args):
         n = _scan_length(in_axes, args, length)
         rng_groups = tuple(
-            lift.tree_map_rngs(lambda rng: jax.random.split(jax.random.clone(rng), n), group)
+            _compat.tree_map_rngs(lambda rng: jax.random.split(jax.random.clone(rng), n), group)
             if split
             else group
             for group, split in zip(rng_groups, rng_splits, strict=True)
         )
-        pin = _RngPin()
+        pin = _compat.RngPin()
 
         def step(broadcast_vars, carry, scan_variable_groups, rng_groups, args):
             carry_vars, c = carry
@@ -348,7 +297,7 @@ def _lift_scan(
         )
         return (c if carry_only else (c, ys)), (broadcast_vars, carry_vars) + scan_vars
 
-    return lift.pack(
+    return _compat.pack(
         inner,
         (variable_broadcast, variable_carry) + variable_in_groups,
         (variable_broadcast, variable_carry) + variable_out_groups,
@@ -426,7 +375,7 @@ def _linen_scan(
         "recompute": recompute,
         "checkpoints": checkpoints,
     }
-    return nn.transforms.lift_transform(
+    return _compat.lift_transform(
         _lift_transform(carry_only, fname, scan_kwargs),
         target,
         variable_axes=variable_axes,

@@ -25,21 +25,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import types
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import flax
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.core import FrozenDict
-from flax.nnx.transforms import iteration as _nnx_iteration  # flax-private: see _flax_scan_with
 from flax.typing import Missing
 from jax.tree_util import tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from jaxmem._src import jax_compat as _jc
+from jaxmem._src.flax import compat as _compat
 from jaxmem._src.flax.linen import (
     _check_checkpoints,
     _check_length,
@@ -68,83 +66,14 @@ def _check_stack(layers: Any, length: int, fname: str):
 
 
 # ------------------------------------------------------------------------------------------
-# nnx.scan with jaxmem.scan as the loop.
-#
-# The one door to flax's internals (flax 0.12.8 and 0.12.12 have the same scan code): the
-# pipeline of ``flax.nnx.scan`` (its in/out axes checks, the split of graph nodes into carried,
-# scanned and broadcast state, ``StateAxes``, the write-back of updates, ``transform_metadata``)
-# is flax's own, run unchanged: the functions ``scan``, ``_simple_scan`` and
-# ``_graph_updates_scan`` of ``flax.nnx.transforms.iteration`` are rebuilt over a copy of their
-# module's globals in which ``jax.lax.scan`` is :func:`_loop` (nothing of flax is modified).
-# ``_check_flax_scan`` fails at first use, with an actionable message, if a flax release no
-# longer calls ``jax.lax.scan`` from those functions.
+# nnx.scan with jaxmem.scan as the loop (flax's own pipeline, rebuilt in compat.py).
 
-_FLAX_SCAN_FUNCTIONS = ("scan", "_simple_scan", "_graph_updates_scan")
 _FORWARD_MODE_MESSAGE = (
     "jaxmem.flax.nnx.scan supports reverse-mode differentiation only (jax.grad, nnx.grad, "
     "jax.vjp, jax.jacrev): its memory savings come from jaxmem.scan's custom VJP, and JAX cannot "
     "apply forward-mode autodiff (jax.jvp, jax.jacfwd, jax.linearize) to a custom VJP. Use "
     "flax.nnx.scan (same arguments, without policy/offload/recompute) where you need forward mode."
 )
-
-
-class _LaxWithLoop:
-    """``jax.lax`` with ``scan`` replaced (every other attribute is jax.lax's)."""
-
-    def __init__(self, loop):
-        self.scan = loop
-
-    def __getattr__(self, name):
-        return getattr(jax.lax, name)
-
-
-class _JaxWithLoop:
-    """The ``jax`` module as flax's scan code sees it: ``jax.lax.scan`` is jaxmem's loop."""
-
-    def __init__(self, loop):
-        self.lax = _LaxWithLoop(loop)
-
-    def __getattr__(self, name):
-        return getattr(jax, name)
-
-
-def _names_used(code) -> set[str]:
-    """The global and attribute names a code object and its nested functions use."""
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _names_used(const)
-    return names
-
-
-@functools.cache
-def _check_flax_scan():
-    """Raises unless flax's scan code is the code :func:`_flax_scan_with` knows how to rebuild."""
-    for name in _FLAX_SCAN_FUNCTIONS:
-        code = getattr(getattr(_nnx_iteration, name, None), "__code__", None)
-        names = set() if code is None else _names_used(code)
-        needed = set(_FLAX_SCAN_FUNCTIONS[1:]) if name == "scan" else {"jax", "lax", "scan"}
-        if not needed <= names:
-            raise NotImplementedError(
-                f"jaxmem.flax.nnx.scan does not support this flax version "
-                f"({getattr(flax, '__version__', '?')}): flax.nnx.transforms.iteration.{name} "
-                "is not the scan code it rebuilds (tested: flax 0.12.8 to 0.12.12). Use "
-                "flax.nnx.scan."
-            )
-
-
-def _flax_scan_with(loop) -> Callable:
-    """``flax.nnx.scan`` whose loop is ``loop`` (flax's functions over substituted globals)."""
-    _check_flax_scan()
-    glb = dict(_nnx_iteration.__dict__)
-    glb["jax"] = _JaxWithLoop(loop)
-    for name in _FLAX_SCAN_FUNCTIONS:
-        fn = getattr(_nnx_iteration, name)
-        new = types.FunctionType(fn.__code__, glb, fn.__name__, fn.__defaults__, fn.__closure__)
-        new.__kwdefaults__ = fn.__kwdefaults__
-        new.__dict__.update(fn.__dict__)
-        glb[name] = new
-    return glb["scan"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -381,8 +310,21 @@ def scan(
 def _scan_f(f, *, options: _LoopOptions, **opts):
     if not callable(f):
         raise TypeError(f"jaxmem.flax.nnx.scan expects a function, got {f!r} ({type(f).__name__}).")
-    loop = functools.partial(_loop, options=options)
-    return _flax_scan_with(loop)(f, **opts)
+    return _flax_scan(options)(f, **opts)
+
+
+def _flax_scan(options: _LoopOptions) -> Callable:
+    """``flax.nnx.scan`` with :func:`_loop` under ``options`` as its loop, rebuilt once per
+    distinct options (every ScanLayers call of a model shares one)."""
+    try:
+        return _flax_scan_cached(options)
+    except TypeError:  # an unhashable option (a policy object without __hash__)
+        return _compat.nnx_scan_with(functools.partial(_loop, options=options))
+
+
+@functools.lru_cache(maxsize=64)
+def _flax_scan_cached(options: _LoopOptions) -> Callable:
+    return _compat.nnx_scan_with(functools.partial(_loop, options=options))
 
 
 class ScanLayers(nnx.Module):

@@ -94,27 +94,23 @@ def scan_residuals(f: Callable, init: Any, xs: Any = None, length: int | None = 
     for argname, tree in (("init", init), ("xs", xs)):
         _opts.check_leaves(tree, argname, fname, allow_structs=True)
     plans = []
-    checkpoints = _auto.resolve_checkpoints(kwargs.get("policy"), kwargs.get("checkpoints"))
-    f = _opts.apply_policy(f, kwargs.get("policy"), fname)
-    offload = _opts.check_offload(kwargs.get("offload"), fname)
+    opts = _opts.ScanOptions.create(
+        fname,
+        policy=kwargs.get("policy"),
+        offload=kwargs.get("offload"),
+        recompute=kwargs.get("recompute", "auto"),
+        unroll=kwargs.get("unroll", 1),
+    )
+    checkpoints = _auto.resolve_checkpoints(opts.policy, kwargs.get("checkpoints"))
+    f = _opts.apply_policy(f, opts.policy, fname)
 
     def trace(init, xs):
-        body, init_leaves, xs_leaves, _, n, unroll, recompute = _prepare(
-            f,
-            init,
-            xs,
-            length,
-            kwargs.get("unroll", 1),
-            kwargs.get("recompute", "auto"),
-            fname,
-            diff_consts=True,
-        )
-        lean = _LeanScan(
-            body, n, bool(kwargs.get("reverse", False)), unroll, recompute, offload, fname
-        )
+        body, _, _, _, n = _prepare(f, init, xs, length, fname, diff_consts=True)
+        reverse = bool(kwargs.get("reverse", False))
+        lean = _LeanScan(body, n, reverse, opts.unroll, opts.recompute, opts.offload, fname)
         step = lean.plan.step
         schedule = None
-        slots = _opts.check_checkpoints(checkpoints, offload, n, fname)
+        slots = _opts.check_checkpoints(checkpoints, opts.offload, n, fname)
         if slots is not None:
             carry_bytes = sum(_jc.nbytes(v.aval) for v in step.carry_invars)
             schedule = _schedule.describe(n, slots, carry_bytes)
@@ -226,12 +222,13 @@ def scan(
       True
     """
     fname = "jaxmem.scan"
-    checkpoints = _auto.resolve_checkpoints(policy, checkpoints)
-    f = _opts.apply_policy(f, policy, fname)
-    offload = _opts.check_offload(offload, fname)
-    body, init_leaves, xs_leaves, _, length, unroll, recompute = _prepare(
-        f, init, xs, length, unroll, recompute, fname
+    opts = _opts.ScanOptions.create(
+        fname, policy=policy, offload=offload, recompute=recompute, unroll=unroll
     )
+    checkpoints = _auto.resolve_checkpoints(opts.policy, checkpoints)
+    f = _opts.apply_policy(f, opts.policy, fname)
+    body, init_leaves, xs_leaves, _, length = _prepare(f, init, xs, length, fname)
+    offload, unroll, recompute = opts.offload, opts.unroll, opts.recompute
     slots = _opts.check_checkpoints(checkpoints, offload, length, fname)
     inputs = (body.consts, init_leaves, xs_leaves)
     spaces = [jax.typeof(v).memory_space for group in inputs for v in group]
@@ -272,10 +269,11 @@ def scanned(fn: Callable | None = None, *, recompute: str = "auto", **scan_kwarg
       >>> cumsum(0.0, jnp.arange(4.0))[1]
       Array([0., 1., 3., 6.], dtype=float32)
     """
-    _opts.check_recompute(recompute, "jaxmem.scanned")
     unknown = set(scan_kwargs) - {"length", "reverse", "unroll", "policy", "offload", "checkpoints"}
     if unknown:
         raise TypeError(f"jaxmem.scanned got unexpected keyword arguments: {sorted(unknown)}.")
+    options = {k: scan_kwargs[k] for k in ("policy", "offload", "unroll") if k in scan_kwargs}
+    _opts.ScanOptions.create("jaxmem.scanned", recompute=recompute, **options)
     if fn is None:
         return functools.partial(scanned, recompute=recompute, **scan_kwargs)
     checks.check_callable(fn, "the step fn(carry, x)", "jaxmem.scanned")

@@ -79,11 +79,9 @@ def _trace_body(
     return body, out_avals
 
 
-def _prepare(f, init, xs, length, unroll, recompute, fname, diff_consts=False):
+def _prepare(f, init, xs, length, fname, diff_consts=False):
     """Checks the arguments and traces the body (promoting weak-typed init leaves once)."""
     checks.check_callable(f, "the body f(carry, x)", fname)
-    recompute = _opts.check_recompute(recompute, fname)
-    unroll = _opts.check_unroll(unroll, fname)
     init_paths, init_leaves, init_tree = _opts.check_leaves(init, "init", fname)
     xs_paths, xs_leaves, xs_tree = _opts.check_leaves(xs, "xs", fname)
     length = _opts.infer_length(xs_paths, xs_leaves, length, fname)
@@ -113,4 +111,4 @@ def _prepare(f, init, xs, length, unroll, recompute, fname, diff_consts=False):
                 f"{a_in.str_short()} but the body returned {a_out.str_short()} for it. The "
                 "carry must keep its shape and dtype across steps (cast it, or fix init)."
             )
-    return body, init_leaves, xs_leaves, xs_tree, length, unroll, recompute
+    return body, init_leaves, xs_leaves, xs_tree, length
