@@ -45,7 +45,7 @@ from jax.tree_util import tree_flatten, tree_map, tree_structure, tree_unflatten
 
 from jaxmem._src import checks
 from jaxmem._src.scan.api import ForwardModeError
-from jaxmem._src.scan.options import apply_policy
+from jaxmem._src.scan.options import ScanOptions, apply_policy
 
 _FORWARD_MODE = (
     "{fn} supports reverse-mode differentiation only (jax.grad, jax.vjp): its memory saving is a "
@@ -220,10 +220,12 @@ class Coupling:
           {'f': (16, 4, 4), 'g': (16, 4, 4)}
         """
         fname = "jaxmem.reversible_scan" if len(self.fns) == 2 else "jaxmem.Coupling.scan"
+        opts = ScanOptions.create(fname, policy=policy, unroll=unroll)
         streams = self._check_streams(streams, fname)
         n_layers = _check_params(params, length, fname)
         k = check_anchor(anchor_every, n_layers, fname)
-        fns = tuple(apply_policy(fn, policy, fname) for fn in self.fns)
+        fns = tuple(apply_policy(fn, opts.policy, fname) for fn in self.fns)
+        unroll = opts.unroll
         p0 = tree_map(lambda a: a[0], params)
         self._check_shapes(fns, p0, streams, fname)
 

@@ -34,8 +34,7 @@ from jaxmem._src.flax.linen import (
     _check_length,
     _check_module_class,
 )
-from jaxmem._src.remat import presets as _presets
-from jaxmem._src.scan.options import check_unroll
+from jaxmem._src.scan.options import ScanOptions
 
 # ------------------------------------------------------------------------------------------
 # Checks shared by the linen and NNX forms.
@@ -86,10 +85,10 @@ def _aval(shape: tuple, dtype: Any) -> str:
 
 
 def _check_options(policy, anchor_every, unroll, length, fname):
-    policy = _presets.resolve(policy, fname)
+    """The stack's policy (a preset name resolved), after checking every option."""
+    opts = ScanOptions.create(fname, policy=policy, unroll=unroll)
     _rev.check_anchor(anchor_every, length, fname)
-    check_unroll(unroll, fname)
-    return policy
+    return opts.policy
 
 
 def _run(f, g, streams, params, *, length, anchor_every, policy, unroll, fname):
