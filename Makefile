@@ -29,8 +29,9 @@ PYTEST_WORKERS ?= 2
 # The slowest items first (notebooks, the slowest test modules, the other tests, then the
 # doctests), so that --dist loadscope (one worker per module: module fixtures are built once)
 # does not end on one long module. pytest collects a file named twice once.
-SLOW_FIRST = tests/test_planner.py tests/test_flax_nnx_upstream.py tests/test_lm1b.py \
-	tests/test_flax_nnx_memory.py tests/test_multiprocess.py tests/test_heldout_gpt.py
+SLOW_FIRST = tests/remat/test_planner.py tests/flax/test_flax_nnx_upstream.py \
+	tests/flax/test_lm1b.py tests/flax/test_flax_nnx_memory.py tests/test_multiprocess.py \
+	tests/remat/test_heldout_gpt.py
 TEST_ARGS ?= --nbmake notebooks $(SLOW_FIRST) tests src/jaxmem README.md
 
 .PHONY: test test-compat demo bench lint format clean
@@ -54,12 +55,15 @@ test-compat:
 # parts the library tests cover on both versions) run on the newest Python only: CI time. So
 # does the planner's frontier of the held-out GPT, a benchmarks.planner run (the planner is
 # tested on both versions on the reference GPT's frontier).
-SCRIPT_TESTS = --ignore=tests/test_demo.py --ignore=tests/test_spmd_benchmark.py \
-	--ignore=tests/test_long_rnn_benchmark.py --ignore=tests/test_chunking_benchmark.py \
-	--ignore=tests/test_losses_benchmark.py --ignore=tests/test_reversible_benchmark.py \
-	--ignore=tests/test_peers_benchmark.py \
-	--deselect=tests/test_lm1b.py::test_benchmark_quick \
-	--deselect=tests/test_planner.py::test_heldout_gpt_plans_fit_and_beat_every_fitting_preset
+SCRIPT_TESTS = --ignore=tests/benchmarks/test_demo.py \
+	--ignore=tests/benchmarks/test_spmd_benchmark.py \
+	--ignore=tests/benchmarks/test_long_rnn_benchmark.py \
+	--ignore=tests/benchmarks/test_chunking_benchmark.py \
+	--ignore=tests/benchmarks/test_losses_benchmark.py \
+	--ignore=tests/benchmarks/test_reversible_benchmark.py \
+	--ignore=tests/benchmarks/test_peers_benchmark.py \
+	--deselect=tests/flax/test_lm1b.py::test_benchmark_quick \
+	--deselect=tests/remat/test_planner.py::test_heldout_gpt_plans_fit_and_beat_every_fitting_preset
 
 demo: $(STAMP)
 	$(PY) -m jaxmem demo

@@ -32,7 +32,7 @@ The code is as written there, reformatted by ruff (four-space indents), with the
 the names the example imports from its sibling modules (``layers.RMSNorm``,
 ``positional_embeddings.apply_rope``, ``sow_lib.SowConfig``) are this module's own, and
 ``jaxtyping.Array`` is ``jax.Array`` (no jaxtyping dependency). Used by :mod:`benchmarks.peers`
-and ``tests/test_peers_benchmark.py``; the jaxmem library never imports it.
+and ``tests/benchmarks/test_peers_benchmark.py``; the jaxmem library never imports it.
 """
 
 # ruff: noqa: B008  (flax's own argument defaults, kept as written)

@@ -19,7 +19,7 @@ https://github.com/google/flax, Apache License 2.0, Copyright 2024 The Flax Auth
 what a stacked decoder layer needs: ``TransformerConfig`` (only the fields the layer reads),
 ``MlpBlock`` and ``EncoderDecoder1DBlock``, whose code is as written there (reformatted by ruff).
 ``PairBlock`` (the layer in ``nn.scan``'s ``(carry, y)`` form) and :func:`stack` are jaxmem's.
-Used by :mod:`benchmarks.lm1b` and ``tests/test_lm1b.py``; the jaxmem library never imports it.
+Used by :mod:`benchmarks.lm1b` and ``tests/flax/test_lm1b.py``; the jaxmem library never imports it.
 """
 
 # pylint: disable=attribute-defined-outside-init

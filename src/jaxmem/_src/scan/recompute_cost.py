@@ -28,7 +28,7 @@ of ``residuals._priced_cut``):
 
 The constants live here and nowhere else, one :class:`CostModel` per backend
 (:func:`for_backend`). They are orders of magnitude, not measurements of one machine: the
-decisions they make are tested (``tests/test_recompute_cost.py``) and the step times they
+decisions they make are tested (``tests/scan/test_recompute_cost.py``) and the step times they
 protect are measured by ``python -m benchmarks.peers`` against ``lax.scan``.
 
 References:

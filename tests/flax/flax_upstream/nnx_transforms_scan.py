@@ -17,7 +17,7 @@
 # Selected: every test method that uses nnx.scan (TestScan, and the scan tests of TestRemat and
 # TestBoundMethodTransforms), verbatim. Changes: only the selection, and the module's
 # `os.environ['XLA_FLAGS'] = ...` line dropped (jaxmem's tests/conftest.py sets XLA_FLAGS).
-# tests/test_flax_nnx_upstream.py runs these with jaxmem.flax.nnx.scan in place of nnx.scan.
+# tests/flax/test_flax_nnx_upstream.py runs these with jaxmem.flax.nnx.scan in place of nnx.scan.
 # ruff: noqa
 # fmt: off
 

@@ -1,4 +1,4 @@
-"""Targets of ``python -m jaxmem profile`` for tests/test_cli_profile.py: good ones and bad ones.
+"""Targets of ``python -m jaxmem profile`` for test_cli_profile.py: good ones and bad ones.
 
 A target is a function of no arguments returning ``(fn, args)`` or ``(fn, args, kwargs)``.
 """

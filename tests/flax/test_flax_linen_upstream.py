@@ -1,7 +1,7 @@
 """Flax's own ``nn.scan`` tests, run with :func:`jaxmem.flax.linen.scan` in place of ``nn.scan``.
 
 The cases are vendored verbatim from Flax 0.12.12 (Apache License 2.0; see the headers of
-``tests/flax_upstream/linen_*.py``): every test in ``tests/linen/linen_transforms_test.py``,
+``tests/flax/flax_upstream/linen_*.py``): every test in ``tests/linen/linen_transforms_test.py``,
 ``linen_meta_test.py``, ``linen_recurrent_test.py`` and ``summary_test.py`` that uses ``nn.scan``
 (directly, or through ``nn.RNN``/``nn.Bidirectional``, which call ``flax.linen.transforms.scan``),
 plus the examples of ``nn.scan``'s own docstring (read from the installed Flax). A fixture replaces
@@ -19,7 +19,7 @@ import jax
 import pytest
 
 from jaxmem.flax import linen as jl
-from tests.flax_upstream import (
+from tests.flax.flax_upstream import (
     linen_meta_scan,
     linen_recurrent_scan,
     linen_summary_scan,

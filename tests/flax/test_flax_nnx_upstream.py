@@ -1,6 +1,6 @@
 """Flax's own NNX scan tests, run with :func:`jaxmem.flax.nnx.scan` in place of ``nnx.scan``.
 
-``tests/flax_upstream/nnx_transforms_scan.py`` vendors, verbatim, every test method of Flax's
+``tests/flax/flax_upstream/nnx_transforms_scan.py`` vendors, verbatim, every test method of Flax's
 ``tests/nnx/transforms_test.py`` that uses ``nnx.scan`` (74 methods; the same in Flax 0.12.8 and
 0.12.12). Here ``flax.nnx.scan`` is monkeypatched to jaxmem's scan for the run, so the vendored
 code stays as Flax wrote it; a count of the calls that reached :func:`jaxmem.scan` shows the
@@ -19,7 +19,7 @@ from flax import nnx
 
 import jaxmem._src.scan.api as scan_module
 from jaxmem.flax import nnx as jn
-from tests.flax_upstream import nnx_transforms_scan as upstream
+from tests.flax.flax_upstream import nnx_transforms_scan as upstream
 
 # (class, method) -> why it cannot run on a custom VJP. Empty: no selected test uses forward mode.
 EXCLUDED: dict[tuple[str, str], str] = {}

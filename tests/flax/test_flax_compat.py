@@ -24,7 +24,7 @@ from jaxmem._src.flax import nnx as nnx_src
 from jaxmem.flax import linen as jl
 from jaxmem.flax import nnx as jn
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COMPAT = ROOT / "src" / "jaxmem" / "_src" / "flax" / "compat.py"
 L, D = 3, 4
 X = np.random.default_rng(0).normal(size=(2, D)).astype(np.float32)

@@ -16,7 +16,7 @@
 # 0.12.8), Copyright The Flax Authors, Apache License 2.0.
 # Selected: every test method that uses nn.scan (directly), verbatim. Changes: only the selection
 # (other test methods, classes left without tests, and the `__main__` block dropped).
-# tests/test_flax_linen_upstream.py runs these with jaxmem.flax.linen.scan in place of nn.scan.
+# tests/flax/test_flax_linen_upstream.py runs these with jaxmem.flax.linen.scan in place of nn.scan.
 # Selected tests:
 #   LinenMetaTest.test_pjit_scan_over_layers
 # ruff: noqa

@@ -1,6 +1,6 @@
 """Tests of ``python -m jaxmem profile TARGET`` (src/jaxmem/_src/profile/cli.py).
 
-The targets are in tests/profile_targets.py.
+The targets are in tests/profile/profile_targets.py.
 """
 
 import dataclasses
@@ -15,8 +15,9 @@ import jaxmem
 from jaxmem import __main__ as cli
 from jaxmem._src.profile import cli as cli_profile
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TARGETS_FILE = pathlib.Path(__file__).resolve().parent / "profile_targets.py"
+TARGETS = "tests.profile.profile_targets"  # the same file, as a module
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -52,13 +53,13 @@ def test_module_target_prints_the_report_and_writes_the_plots(tmp_path, capsys):
     out_dir = tmp_path / "plots"  # created by the command
     json_path = tmp_path / "report.json"
     status, out, err = _run(
-        capsys, "tests.profile_targets:mlp", "--out", str(out_dir), "--json", str(json_path)
+        capsys, "tests.profile.profile_targets:mlp", "--out", str(out_dir), "--json", str(json_path)
     )
     assert status == 0, err
     assert "MemoryReport: _mlp_loss" in out and "Live at the peak:" in out
     assert "Top 6 of 6 buffers live at the peak:" in out
     assert "profile_targets.py:13 (_mlp_loss)" in out  # the source line of the largest
-    assert "tests.profile_targets:mlp: peak " in out
+    assert "tests.profile.profile_targets:mlp: peak " in out
     for name in ("mlp_memory.png", "mlp_timeline.png"):
         path = out_dir / name
         assert path.read_bytes().startswith(PNG), name
@@ -82,7 +83,7 @@ def test_without_a_buffer_view_the_timeline_is_left_out(tmp_path, capsys, monkey
         return dataclasses.replace(report, buffers=None, buffer_error="no dump (a test)")
 
     monkeypatch.setattr(cli_profile, "profile", profile)
-    status, out, err = _run(capsys, "tests.profile_targets:mlp", "--out", str(tmp_path))
+    status, out, err = _run(capsys, "tests.profile.profile_targets:mlp", "--out", str(tmp_path))
     assert status == 0, err
     assert "Live at the peak: n/a (no dump (a test))" in out
     assert "no timeline plot: no buffer-level view (no dump (a test))" in out
@@ -93,21 +94,36 @@ def test_without_a_buffer_view_the_timeline_is_left_out(tmp_path, capsys, monkey
 @pytest.mark.parametrize(
     "target, expected",
     [
-        ("tests.profile_targets", "must be MODULE:FUNCTION or FILE.py:FUNCTION"),
+        ("tests.profile.profile_targets", "must be MODULE:FUNCTION or FILE.py:FUNCTION"),
         ("no_such_module_xyz:make", "no module named 'no_such_module_xyz'"),
         ("tests.no_such_module:make", "no module named 'tests.no_such_module'"),
         ("tests/no_such_file.py:make", "tests/no_such_file.py: no such file"),
-        ("tests.profile_targets:mpl", "has no attribute 'mpl'; callables there: mlp,"),
-        ("tests.profile_targets:NOT_CALLABLE", "is a dict ({'fn': None}), not a function"),
-        ("tests.profile_targets:needs_argument", "must take no arguments (it has n)"),
-        ("tests.profile_targets:raises", "raised ValueError: no checkpoint at /nonexistent"),
-        ("tests.profile_targets:returns_list", "returned fn = int (1), not callable"),
-        ("tests.profile_targets:returns_none", "returned None; expected (fn, args) or"),
-        ("tests.profile_targets:returns_fn_only", "returned the function scaled_loss alone"),
-        ("tests.profile_targets:returns_four", "returned a tuple of 4; expected (fn, args) or"),
-        ("tests.profile_targets:returns_bare_array", "args = ArrayImpl"),
-        ("tests.profile_targets:bad_argument", "argument args[0] is a str ('not an array')"),
-        ("tests.profile_targets:fails_to_compile", "compile function '<lambda>': TypeError: dot"),
+        (f"{TARGETS}:mpl", "has no attribute 'mpl'; callables there: mlp,"),
+        (f"{TARGETS}:NOT_CALLABLE", "is a dict ({'fn': None}), not a function"),
+        (f"{TARGETS}:needs_argument", "must take no arguments (it has n)"),
+        (
+            "tests.profile.profile_targets:raises",
+            "raised ValueError: no checkpoint at /nonexistent",
+        ),
+        (f"{TARGETS}:returns_list", "returned fn = int (1), not callable"),
+        (f"{TARGETS}:returns_none", "returned None; expected (fn, args) or"),
+        (
+            "tests.profile.profile_targets:returns_fn_only",
+            "returned the function scaled_loss alone",
+        ),
+        (
+            "tests.profile.profile_targets:returns_four",
+            "returned a tuple of 4; expected (fn, args) or",
+        ),
+        (f"{TARGETS}:returns_bare_array", "args = ArrayImpl"),
+        (
+            "tests.profile.profile_targets:bad_argument",
+            "argument args[0] is a str ('not an array')",
+        ),
+        (
+            "tests.profile.profile_targets:fails_to_compile",
+            "compile function '<lambda>': TypeError: dot",
+        ),
     ],
 )
 def test_bad_targets_are_one_line_errors(target, expected, capsys):
@@ -121,7 +137,7 @@ def test_bad_targets_are_one_line_errors(target, expected, capsys):
 
 
 def test_traceback_option_shows_the_cause(capsys):
-    status, _, err = _run(capsys, "tests.profile_targets:raises", "--traceback")
+    status, _, err = _run(capsys, "tests.profile.profile_targets:raises", "--traceback")
     assert status == 2
     assert "Traceback (most recent call last)" in err and "in raises" in err
     assert err.strip().splitlines()[-1].startswith("python -m jaxmem profile: error: ")
@@ -129,7 +145,7 @@ def test_traceback_option_shows_the_cause(capsys):
 
 def test_bad_options_exit_2(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["profile", "tests.profile_targets:mlp", "--top", "-1"])
+        cli.main(["profile", "tests.profile.profile_targets:mlp", "--top", "-1"])
     assert exit_info.value.code == 2
     assert "--top must be 0 or more" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
@@ -140,7 +156,7 @@ def test_bad_options_exit_2(capsys):
 
 def test_python_m_jaxmem_profile(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "jaxmem", "profile", "tests.profile_targets:mlp"]
+        [sys.executable, "-m", "jaxmem", "profile", "tests.profile.profile_targets:mlp"]
         + ["--out", str(tmp_path), "--top", "3"],
         cwd=ROOT,
         capture_output=True,

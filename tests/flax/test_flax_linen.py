@@ -258,7 +258,7 @@ def test_errors():
 
 
 # ------------------------------------------------------------------------------------------
-# jaxmem.flax.linen.scan: nn.scan's signature (Flax's own tests: tests/test_flax_linen_upstream.py).
+# jaxmem.flax.linen.scan: nn.scan's signature (Flax's own tests: test_flax_linen_upstream.py).
 
 
 class SharedCell(nn.Module):
