@@ -2,9 +2,10 @@
 
 jaxmem's Flax stacks run Flax's own code (the lifting of ``flax.core.lift``, the pipeline of
 ``flax.nnx.scan``) with :func:`jaxmem.scan` as the loop. Where that needs what Flax does not
-export, it is taken here, once, and nowhere else (``tests/flax/test_flax_compat.py`` fails if another
-module reaches into Flax's internals, and checks that every linen and NNX path runs jaxmem's
-loop, so a Flax release that changes them fails loudly instead of falling back to stock scan).
+export, it is taken here, once, and nowhere else: ``tests/flax/test_flax_compat.py`` fails if
+another module reaches into Flax's internals, and checks that every linen and NNX path runs
+jaxmem's loop, so a Flax release that changes them fails loudly instead of falling back to stock
+scan.
 Tested: flax 0.12.8 (jax 0.10.2) and 0.12.12 (jax 0.12); ``pyproject.toml`` allows ``<0.13``.
 
 - linen: ``flax.core.lift``'s helpers (``_split_in_out_axes``, ``_unzip2``, ``tree_map_rngs``,

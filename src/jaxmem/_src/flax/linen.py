@@ -44,7 +44,7 @@ from jax.tree_util import keystr, tree_flatten_with_path
 from jaxmem._src.flax import compat as _compat
 from jaxmem._src.remat import presets as _presets
 from jaxmem._src.scan import api as _scan
-from jaxmem._src.scan.options import ScanOptions, check_checkpoints
+from jaxmem._src.scan.options import ScanOptions
 
 broadcast = nn.broadcast
 
@@ -67,21 +67,17 @@ def _check_length(length: Any, fname: str) -> int:
     return int(length)
 
 
-def _check_scan_options(policy, offload, recompute, unroll, fname: str):
+def _check_scan_options(policy, offload, recompute, unroll, checkpoints, fname: str):
+    """The stack's policy (a preset name resolved), after checking every loop option."""
     opts = ScanOptions.create(
-        fname, policy=policy, offload=offload, recompute=recompute, unroll=unroll
+        fname,
+        policy=policy,
+        offload=offload,
+        recompute=recompute,
+        unroll=unroll,
+        checkpoints=checkpoints,
     )
     return opts.policy
-
-
-def _check_checkpoints(checkpoints, offload, length: int | None, fname: str):
-    """Checks ``checkpoints`` (and its ``offload``) before tracing, naming ``fname``.
-
-    ``length`` is the number of steps where known (a stack's), None where it is inferred at call
-    time: a bad value fails the same way for every length, and :func:`jaxmem.scan` resolves
-    ``"sqrt"`` and clamps ``k`` once the length is known.
-    """
-    check_checkpoints(checkpoints, offload, 1 if length is None else length, fname)
 
 
 # ------------------------------------------------------------------------------------------
@@ -353,12 +349,11 @@ def _linen_scan(
     fname,
 ):
     """The one implementation behind :func:`scan` and :func:`scan_layers`: checks, then lifts."""
-    policy = _check_scan_options(policy, offload, recompute, unroll, fname)
+    policy = _check_scan_options(policy, offload, recompute, unroll, checkpoints, fname)
     if split_transpose:
         raise NotImplementedError(_split_transpose_message(fname))
     if length is not None:
         length = _check_length(length, fname)
-    _check_checkpoints(checkpoints, offload, length, fname)
     if not isinstance(variable_axes, Mapping):
         raise TypeError(
             f"{fname} got variable_axes={variable_axes!r}; expected a mapping collection -> "

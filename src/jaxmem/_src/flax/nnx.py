@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -39,14 +40,13 @@ from jax.tree_util import tree_flatten, tree_flatten_with_path, tree_unflatten
 from jaxmem._src import jax_compat as _jc
 from jaxmem._src.flax import compat as _compat
 from jaxmem._src.flax.linen import (
-    _check_checkpoints,
     _check_length,
     _check_scan_options,
 )
 from jaxmem._src.remat import auto as _auto
 from jaxmem._src.remat import presets as _presets
 from jaxmem._src.scan import api as _scan
-from jaxmem._src.scan.options import ScanOptions, infer_length
+from jaxmem._src.scan.options import infer_length
 
 
 def _check_stack(layers: Any, length: int, fname: str):
@@ -99,7 +99,10 @@ class _Traced:
 # Traces of loop bodies, per body object (flax builds one ScanFn/SimpleScanFn per decorated
 # function) and per input types: as jax.lax.scan caches its body's trace, so a body is traced
 # once, not once per call. Only traces without traced constants (of an outer jit/grad) are kept.
+# One cache for the process (a trace is valid in any thread: the key holds what it depends
+# on), behind a lock: the planner traces candidates in threads.
 _TRACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_TRACES_LOCK = threading.Lock()
 
 
 def _trace_key(carry_tree, x_tree, carry_avals, x_avals):
@@ -111,7 +114,8 @@ def _trace_key(carry_tree, x_tree, carry_avals, x_avals):
 def _trace(f, carry_tree, x_tree, carry_avals, x_avals) -> _Traced:
     """Traces ``f(carry, x)`` for these input types, or returns the cached trace."""
     try:
-        cache = _TRACES.setdefault(f, {})
+        with _TRACES_LOCK:
+            cache = _TRACES.setdefault(f, {})
     except TypeError:  # not weak-referenceable: no cache
         cache = {}
     key = _trace_key(carry_tree, x_tree, carry_avals, x_avals)
@@ -143,7 +147,8 @@ def _trace(f, carry_tree, x_tree, carry_avals, x_avals) -> _Traced:
     traced = _Traced(closed, *trees[-1], tuple(jax.typeof(s) for s in carry_shapes))
     if not any(isinstance(c, _jc.Tracer) for c in _jc.jaxpr_consts(closed)):
         try:
-            cache[key] = traced
+            with _TRACES_LOCK:
+                cache[key] = traced
         except TypeError:
             pass
     return traced
@@ -286,10 +291,7 @@ def scan(
       True
     """
     fname = "jaxmem.flax.nnx.scan"
-    policy = ScanOptions.create(
-        fname, policy=policy, offload=offload, recompute=recompute, unroll=unroll
-    ).policy
-    _check_checkpoints(checkpoints, offload, None, fname)
+    policy = _check_scan_options(policy, offload, recompute, unroll, checkpoints, fname)
     opts = dict(
         length=length,
         reverse=reverse,
@@ -408,8 +410,7 @@ class ScanLayers(nnx.Module):
         fname = "jaxmem.flax.nnx.ScanLayers"
         _check_make_block(make_block, fname)
         self.length = _check_length(length, fname)
-        self.policy = _check_scan_options(policy, offload, recompute, unroll, fname)
-        _check_checkpoints(checkpoints, offload, self.length, fname)
+        self.policy = _check_scan_options(policy, offload, recompute, unroll, checkpoints, fname)
         self.offload = offload
         self.recompute = recompute
         self.checkpoints = checkpoints

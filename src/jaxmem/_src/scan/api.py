@@ -100,8 +100,9 @@ def scan_residuals(f: Callable, init: Any, xs: Any = None, length: int | None = 
         offload=kwargs.get("offload"),
         recompute=kwargs.get("recompute", "auto"),
         unroll=kwargs.get("unroll", 1),
+        checkpoints=kwargs.get("checkpoints"),
     )
-    checkpoints = _auto.resolve_checkpoints(opts.policy, kwargs.get("checkpoints"))
+    checkpoints = _auto.resolve_checkpoints(opts.policy, opts.checkpoints)
     f = _opts.apply_policy(f, opts.policy, fname)
 
     def trace(init, xs):
@@ -223,9 +224,14 @@ def scan(
     """
     fname = "jaxmem.scan"
     opts = _opts.ScanOptions.create(
-        fname, policy=policy, offload=offload, recompute=recompute, unroll=unroll
+        fname,
+        policy=policy,
+        offload=offload,
+        recompute=recompute,
+        unroll=unroll,
+        checkpoints=checkpoints,
     )
-    checkpoints = _auto.resolve_checkpoints(opts.policy, checkpoints)
+    checkpoints = _auto.resolve_checkpoints(opts.policy, opts.checkpoints)
     f = _opts.apply_policy(f, opts.policy, fname)
     body, init_leaves, xs_leaves, _, length = _prepare(f, init, xs, length, fname)
     offload, unroll, recompute = opts.offload, opts.unroll, opts.recompute
@@ -272,7 +278,8 @@ def scanned(fn: Callable | None = None, *, recompute: str = "auto", **scan_kwarg
     unknown = set(scan_kwargs) - {"length", "reverse", "unroll", "policy", "offload", "checkpoints"}
     if unknown:
         raise TypeError(f"jaxmem.scanned got unexpected keyword arguments: {sorted(unknown)}.")
-    options = {k: scan_kwargs[k] for k in ("policy", "offload", "unroll") if k in scan_kwargs}
+    names = ("policy", "offload", "unroll", "checkpoints")
+    options = {k: scan_kwargs[k] for k in names if k in scan_kwargs}
     _opts.ScanOptions.create("jaxmem.scanned", recompute=recompute, **options)
     if fn is None:
         return functools.partial(scanned, recompute=recompute, **scan_kwargs)

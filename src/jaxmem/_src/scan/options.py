@@ -28,6 +28,9 @@ class ScanOptions:
       offload: None, one of :data:`OFFLOAD_MODES`, or a frozenset of checkpoint names.
       recompute: one of :data:`RECOMPUTE_MODES`.
       unroll: a bool or a non-negative int.
+      checkpoints: None (the lean VJP), a positive int (the most carries stored) or ``"sqrt"``,
+        as given: resolved against the length (``"sqrt"``, a count above it clamped) when the
+        loop runs (:func:`check_checkpoints`).
 
     Examples:
       >>> opts = ScanOptions.create("jaxmem.scan", offload=("mlp_in",), unroll=2)
@@ -44,6 +47,7 @@ class ScanOptions:
     offload: Any = None
     recompute: str = "auto"
     unroll: int | bool = 1
+    checkpoints: int | str | None = None
 
     @classmethod
     def create(
@@ -54,16 +58,22 @@ class ScanOptions:
         offload: Any = None,
         recompute: str = "auto",
         unroll: int | bool = 1,
+        checkpoints: int | str | None = None,
     ) -> ScanOptions:
-        """Checks every option (in this order: policy, offload, recompute, unroll), naming
-        ``fname`` in the errors."""
-        return cls(
+        """Checks every option (in this order: policy, offload, recompute, unroll, checkpoints
+        with its offload), naming ``fname`` in the errors."""
+        offload = check_offload(offload, fname)
+        opts = cls(
             fname=fname,
             policy=_presets.resolve(policy, fname),
-            offload=check_offload(offload, fname),
+            offload=offload,
             recompute=check_recompute(recompute, fname),
             unroll=check_unroll(unroll, fname),
+            checkpoints=checkpoints,
         )
+        # A bad value fails the same way for every length; the count is resolved when it is known.
+        check_checkpoints(checkpoints, offload, 1, fname)
+        return opts
 
 
 RECOMPUTE_MODES = ("auto", "cheap", "none")
