@@ -21,6 +21,7 @@ from flax import nnx
 from jaxmem._src import jax_compat as jc
 from jaxmem._src.flax import compat
 from jaxmem._src.flax import nnx as nnx_src
+from jaxmem._src.scan.options import ScanOptions
 from jaxmem.flax import linen as jl
 from jaxmem.flax import nnx as jn
 
@@ -284,13 +285,10 @@ def test_every_nnx_path_runs_jaxmems_loop(path):
 
 
 def test_the_nnx_rebuild_is_made_once_per_options():
-    options = nnx_src._LoopOptions(None, None, "auto")
-    assert nnx_src._flax_scan(options) is nnx_src._flax_scan(
-        nnx_src._LoopOptions(None, None, "auto")
-    )
-    assert nnx_src._flax_scan(options) is not nnx_src._flax_scan(
-        nnx_src._LoopOptions(None, None, "cheap")
-    )
+    make = functools.partial(ScanOptions.create, "jaxmem.flax.nnx.scan")
+    options = make()
+    assert nnx_src._flax_scan(options) is nnx_src._flax_scan(make(recompute="auto"))
+    assert nnx_src._flax_scan(options) is not nnx_src._flax_scan(make(recompute="cheap"))
     # Two stacks with the same options share one rebuilt scan (no rebuild per call).
     before = nnx_src._flax_scan_cached.cache_info().misses
     for _ in range(2):

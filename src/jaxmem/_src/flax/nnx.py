@@ -46,7 +46,7 @@ from jaxmem._src.flax.linen import (
 from jaxmem._src.remat import auto as _auto
 from jaxmem._src.remat import presets as _presets
 from jaxmem._src.scan import api as _scan
-from jaxmem._src.scan.options import infer_length
+from jaxmem._src.scan.options import ScanOptions, infer_length
 
 
 def _check_stack(layers: Any, length: int, fname: str):
@@ -74,16 +74,6 @@ _FORWARD_MODE_MESSAGE = (
     "apply forward-mode autodiff (jax.jvp, jax.jacfwd, jax.linearize) to a custom VJP. Use "
     "flax.nnx.scan (same arguments, without policy/offload/recompute) where you need forward mode."
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class _LoopOptions:
-    """jaxmem's keywords of one :func:`scan`, handed to :func:`jaxmem.scan`."""
-
-    policy: Callable | None
-    offload: Any
-    recompute: str
-    checkpoints: int | str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,7 +281,14 @@ def scan(
       True
     """
     fname = "jaxmem.flax.nnx.scan"
-    policy = _check_scan_options(policy, offload, recompute, unroll, checkpoints, fname)
+    options = ScanOptions.create(
+        fname,
+        policy=policy,
+        offload=offload,
+        recompute=recompute,
+        unroll=unroll,
+        checkpoints=checkpoints,
+    )
     opts = dict(
         length=length,
         reverse=reverse,
@@ -303,19 +300,18 @@ def scan(
         graph=graph,
         graph_updates=graph_updates,
     )
-    options = _LoopOptions(policy, offload, recompute, checkpoints)
     if f is None or f is Missing:
         return functools.partial(_scan_f, options=options, **opts)
     return _scan_f(f, options=options, **opts)
 
 
-def _scan_f(f, *, options: _LoopOptions, **opts):
+def _scan_f(f, *, options: ScanOptions, **opts):
     if not callable(f):
         raise TypeError(f"jaxmem.flax.nnx.scan expects a function, got {f!r} ({type(f).__name__}).")
     return _flax_scan(options)(f, **opts)
 
 
-def _flax_scan(options: _LoopOptions) -> Callable:
+def _flax_scan(options: ScanOptions) -> Callable:
     """``flax.nnx.scan`` with :func:`_loop` under ``options`` as its loop, rebuilt once per
     distinct options (every ScanLayers call of a model shares one)."""
     try:
@@ -325,7 +321,7 @@ def _flax_scan(options: _LoopOptions) -> Callable:
 
 
 @functools.lru_cache(maxsize=64)
-def _flax_scan_cached(options: _LoopOptions) -> Callable:
+def _flax_scan_cached(options: ScanOptions) -> Callable:
     return _compat.nnx_scan_with(functools.partial(_loop, options=options))
 
 
