@@ -141,6 +141,9 @@ def _unwrap(fn):
 
 
 def _is_jaxmem_vjp(eqn) -> bool:
+    """A jaxmem loop: the ``jaxmem_scan`` primitive, or a custom VJP whose rules are jaxmem's."""
+    if type(eqn.params.get("_prim")).__name__ == "jaxmem_scan":
+        return True
     if not eqn.primitive.name.startswith("custom_vjp_call"):
         return False
     bwd = _unwrap(eqn.params.get("bwd"))

@@ -320,14 +320,24 @@ def test_scan_function_form_and_policy():
     assert_parity(g(ours), g(ref))
 
 
+def test_forward_mode_matches_nn_scan():
+    """jax.jvp and jax.jacfwd through the drop-in equal nn.scan's (the same parameters)."""
+    h, xs = np.ones((2, 4), np.float32), np.linspace(-1, 1, L * 4, dtype=np.float32)
+    xs = xs.reshape(L, 1, 4)
+    kwargs = dict(variable_axes={"params": 0}, split_rngs={"params": True})
+    ours, ref = jl.scan(Scanned, **kwargs)(), nn.scan(Scanned, **kwargs)()
+    params = ours.init(jax.random.key(0), h, xs)
+    for transform in (
+        lambda m: jax.jvp(lambda h: m.apply(params, h, xs), (h,), (h,)),
+        lambda m: jax.jacfwd(lambda h: m.apply(params, h, xs)[0])(h),
+    ):
+        assert_parity(transform(ours), transform(ref), tol=1e-5)
+
+
 def test_scan_errors():
     with pytest.raises(NotImplementedError, match=r"_split_transpose.*nn\.scan"):
         jl.scan(Scanned, variable_axes={"params": 0}, _split_transpose=True)
     h, xs = np.ones((2, 4), np.float32), np.ones((L, 1, 4), np.float32)
-    model = jl.scan(Scanned, variable_axes={"params": 0}, split_rngs={"params": True})()
-    params = model.init(jax.random.key(0), h, xs)
-    with pytest.raises(TypeError, match=r"forward-mode.*nn\.scan"):
-        jax.jvp(lambda h: model.apply(params, h, xs)[0], (h,), (h,))
     with pytest.raises(ValueError, match="length should be specified manually"):
         jl.scan(Scanned, variable_axes={"params": 0}, in_axes=nn.broadcast)().init(
             jax.random.key(0), h, xs

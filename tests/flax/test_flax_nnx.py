@@ -252,13 +252,27 @@ def test_scan_traces_once_and_closes_over_tracers():
         assert max_rel(g, jax.grad(lambda w: loss(nnx.scan, w, xs))(w)) <= 1e-6
 
 
-def test_scan_errors():
-    import jaxmem
+def test_forward_mode_matches_nnx_scan():
+    """jax.jvp, jax.jacfwd and jax.hessian through the drop-in equal nnx.scan's."""
+    xs = jnp.asarray(H[:4, :3])
 
-    step = jn.scan(lambda c, x: (jnp.sin(c) + x, c), in_axes=(nnx.Carry, 0))
-    xs = jnp.ones((3, 2))
-    with pytest.raises(jaxmem.ForwardModeError, match=r"Use flax\.nnx\.scan"):
-        jax.jvp(lambda c: step(c, xs), (jnp.ones(2),), (jnp.ones(2),))
+    def f(scan_fn):
+        step = lambda c, x: (jnp.sin(c * 0.7) + x, jnp.cos(c))
+        run = scan_fn(step, in_axes=(nnx.Carry, 0))
+        return lambda c: jnp.sum(run(c, xs)[0] ** 2) + jnp.sum(run(c, xs)[1])
+
+    c, t = jnp.asarray(H[0, :3]), jnp.asarray(H[1, :3])
+    for transform in (
+        lambda g: jax.jvp(g, (c,), (t,)),
+        lambda g: jax.jacfwd(g)(c),
+        lambda g: jax.hessian(g)(c),
+    ):
+        got, want = transform(f(jn.scan)), transform(f(nnx.scan))
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            assert max_rel(a, b) <= 1e-5
+
+
+def test_scan_errors():
     with pytest.raises(ValueError, match="unknown policy 'full'"):
         jn.scan(lambda c, x: (c, x), policy="full")
     with pytest.raises(ValueError, match="recompute"):

@@ -3,7 +3,7 @@
 Every body of the corpus is checked, for values (carry and ys) and for gradients with respect to
 every float argument (closed-over parameters, init, xs), against :func:`jax.lax.scan` and against
 a plain Python loop, for ``recompute="cheap"`` and ``recompute="none"``. Then: composition with
-jit, vmap and higher-order reverse mode; forward mode raising :class:`jaxmem.ForwardModeError`;
+jit, vmap and higher-order reverse mode (forward mode: ``test_primitive.py``);
 the decorator; input checks; weak types; and the memory savings, measured structurally (bytes of
 the saved-residual listing derived by hand, compiled temp bytes), never by wall time.
 """
@@ -1040,45 +1040,10 @@ def test_grad_of_grad_all_arguments():
 
 
 def test_hessian_matches_lax_scan():
-    """jax.hessian is jacfwd(jacrev(f)): the forward pass meets jaxmem.scan's custom VJP only
-    after the reverse pass has replaced it by its fwd/bwd functions, which are ordinary JAX code,
-    so the Hessian exists and must equal lax.scan's."""
+    """jax.hessian is jacfwd(jacrev(f)): forward mode over jaxmem.scan's reverse pass."""
     w, xs, h0 = small_rnn_args(3)
     got = jax.hessian(rnn_loss(jaxmem.scan))(w, xs, h0)
     assert_trees_close(got, jax.hessian(rnn_loss(jax.lax.scan))(w, xs, h0))
-
-
-FORWARD_MODE = {
-    "jvp": lambda f, a: jax.jvp(f, a, a),
-    "jacfwd": lambda f, a: jax.jacfwd(f)(*a),
-}
-
-
-@pytest.mark.parametrize("mode", list(FORWARD_MODE))
-def test_forward_mode_raises(mode):
-    args = small_rnn_args()
-    FORWARD_MODE[mode](rnn_loss(jax.lax.scan), args)  # The reference supports it.
-    with pytest.raises(jaxmem.ForwardModeError, match=r"jax\.lax\.scan"):
-        FORWARD_MODE[mode](rnn_loss(jaxmem.scan), args)
-
-
-STAGED_FORWARD_MODE = {
-    "jvp_of_jit": lambda f, a: jax.jvp(jax.jit(f), a, a),
-    "jacfwd_of_jit": lambda f, a: jax.jacfwd(jax.jit(f))(*a),
-    # linearize traces like grad does; the linear function it returns is what cannot run.
-    "linearize_then_apply": lambda f, a: jax.linearize(f, *a)[1](*a),
-}
-
-
-@pytest.mark.parametrize("mode", list(STAGED_FORWARD_MODE))
-def test_forward_mode_of_a_staged_function_raises(mode):
-    """Documented: forward mode applied to an already staged function (or the function returned
-    by jax.linearize) gets JAX's own TypeError (ForwardModeError is a TypeError too), never a
-    silently wrong derivative."""
-    args = small_rnn_args()
-    STAGED_FORWARD_MODE[mode](rnn_loss(jax.lax.scan), args)
-    with pytest.raises(TypeError, match=r"forward-mode"):
-        STAGED_FORWARD_MODE[mode](rnn_loss(jaxmem.scan), args)
 
 
 def test_forward_mode_error_is_a_type_error():

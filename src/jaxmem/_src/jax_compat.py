@@ -121,9 +121,14 @@ def is_drop_var(v) -> bool:
 
 
 def subjaxprs(eqn) -> list:
-    """The open jaxprs in an equation's parameters (loop bodies, called functions, branches)."""
+    """The open jaxprs in an equation's parameters (loop bodies, called functions, branches),
+    those of a hijax primitive's parameters included (a ``jaxmem_scan``'s step)."""
     out = []
-    for param in eqn.params.values():
+    params = list(eqn.params.values())
+    hi = eqn.params.get("_prim")
+    if isinstance(getattr(hi, "params", None), dict):
+        params += list(hi.params.values())
+    for param in params:
         for sub in param if isinstance(param, (tuple, list)) else (param,):
             if is_jaxpr(sub):
                 out.append(open_jaxpr(sub) if is_closed_jaxpr(sub) else sub)
@@ -313,3 +318,83 @@ def trace_keyed_state(name: str, default: Any, help: str):
     return _config.string_or_object_state(
         name, default, help, include_in_jit_key=True, include_in_trace_context=True
     )
+
+
+# --- hijax: jaxmem's loops as primitives ------------------------------------------------------
+
+from jax.experimental import hijax as _hijax  # noqa: E402
+
+# The base class of a primitive with its own rules (evaluation, VJP, JVP, batching, DCE, remat):
+# ``HiPrim`` on jax 0.12, ``VJPHiPrimitive`` on 0.10.2 (JAX main has both names). The rules
+# jaxmem defines (``expand``, ``vjp_fwd``, ``vjp_bwd_retval``, ``jvp``, ``lin``/``linearized``,
+# ``batch``) have the same signatures on both; ``dce`` and ``remat`` (not overridden) differ.
+HiPrimitive = getattr(_hijax, "HiPrim", None) or _hijax.VJPHiPrimitive
+
+
+def _symbolic_zero_types() -> tuple:
+    from jax.custom_derivatives import SymbolicZero
+    from jax.interpreters import ad
+
+    return (ad.Zero, SymbolicZero)
+
+
+# Symbolic zeros: JAX's internal ``ad.Zero`` (what a hijax rule receives) and the public
+# ``jax.custom_derivatives.SymbolicZero`` (what a ``symbolic_zeros=True`` custom VJP receives).
+SymbolicZeroTypes = _symbolic_zero_types()
+
+
+def to_symbolic_zero(zero):
+    """The public ``SymbolicZero`` for an internal ``ad.Zero`` (what jaxmem's VJP rules test)."""
+    from jax.custom_derivatives import SymbolicZero
+
+    if isinstance(zero, SymbolicZero):
+        return zero
+    return SymbolicZero(zero.aval)
+
+
+def zero_tangent(aval):
+    """A symbolic zero tangent (``ad.Zero``) for a primal of type ``aval``, for a JVP rule."""
+    from jax.interpreters import ad
+
+    return ad.Zero(aval.to_tangent_aval())
+
+
+def vmap_axis_params(axis_data) -> dict:
+    """``jax.vmap``'s keywords for the axis a batching rule batches over (``AxisData``: size,
+    name, and the SPMD or Explicit mesh axis; 0.10.2 and 0.12 alike)."""
+    return dict(
+        axis_size=axis_data.size,
+        axis_name=axis_data.name,
+        spmd_axis_name=axis_data.spmd_name or getattr(axis_data, "explicit_mesh_axis", None),
+    )
+
+
+def _lin_by_jvp(self, nzs_in, *primals):
+    del nzs_in
+    return self(*primals), primals
+
+
+def _linearized_by_jvp(self, primals, *tangents):
+    return self.jvp(primals, tangents)[1]
+
+
+# ``lin, linearized = LINEARIZE_FROM_JVP`` in a hijax primitive with a ``jvp`` rule:
+# ``jax.experimental.hijax.linearize_from_jvp`` on jax 0.12 (the JVP partially evaluated: the
+# linear map keeps what it needs); on 0.10.2, which has no such helper, the linear map runs the
+# JVP again from the primals.
+LINEARIZE_FROM_JVP = getattr(_hijax, "linearize_from_jvp", None) or (
+    _lin_by_jvp,
+    _linearized_by_jvp,
+)
+
+
+def is_unknown_partial(x) -> bool:
+    """Whether ``x`` is an unknown value of JAX's partial evaluation (the tangents a JVP rule gets
+    when JAX linearizes by JVP and partial evaluation, as inside ``jax.checkpoint``: the primal
+    outputs must then be computable without them).
+
+    Private: ``jax._src.interpreters.partial_eval.JaxprTracer`` (0.10.2 and 0.12).
+    """
+    from jax._src.interpreters import partial_eval as pe
+
+    return isinstance(x, pe.JaxprTracer) and not x.is_known()

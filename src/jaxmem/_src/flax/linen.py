@@ -155,16 +155,9 @@ def _axes_scan(
                 f"non-carry function outputs.  out_axes was given as {out_axes}"
             )
         on_loop()
-        try:
-            c, ys = _scan.scan(
-                body_fn, init, xs, length=length, reverse=reverse, unroll=unroll, **scan_kwargs
-            )
-        except _scan.ForwardModeError as e:
-            raise _scan.ForwardModeError(
-                f"{fname}: forward-mode AD (jax.jvp, jax.jacfwd, jax.linearize) cannot pass "
-                "through this scan: its loop is jaxmem.scan, whose memory savings come from a "
-                f"custom VJP (reverse mode only). {_NN_SCAN_WAY_OUT}"
-            ) from e
+        c, ys = _scan.scan(
+            body_fn, init, xs, length=length, reverse=reverse, unroll=unroll, **scan_kwargs
+        )
         ys = jax.tree_util.tree_map(_from_front, out_axes, ys)
         if check_constancy:
             ys = jax.tree_util.tree_map(
@@ -462,10 +455,7 @@ def scan(
     Raises:
       NotImplementedError: ``_split_transpose=True``: it splits ``lax.scan``'s own transpose,
         and jaxmem's loop has a custom VJP; use ``nn.scan``.
-      TypeError: a bad ``policy``, ``unroll``, ``variable_axes`` or ``split_rngs``;
-        forward-mode AD (``jax.jvp``, ``jax.jacfwd``) through the loop
-        (:class:`jaxmem.ForwardModeError`): the custom VJP is reverse-mode only, use
-        ``nn.scan`` there.
+      TypeError: a bad ``policy``, ``unroll``, ``variable_axes`` or ``split_rngs``.
       ValueError: inconsistent scan lengths, no length and nothing scanned, a broadcast
         variable or output that depends on the loop (as ``nn.scan``), an unknown policy name,
         bad ``offload``/``recompute``/``checkpoints`` (``checkpoints`` not positive or a string

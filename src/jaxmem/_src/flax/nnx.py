@@ -68,13 +68,6 @@ def _check_stack(layers: Any, length: int, fname: str):
 # ------------------------------------------------------------------------------------------
 # nnx.scan with jaxmem.scan as the loop (flax's own pipeline, rebuilt in compat.py).
 
-_FORWARD_MODE_MESSAGE = (
-    "jaxmem.flax.nnx.scan supports reverse-mode differentiation only (jax.grad, nnx.grad, "
-    "jax.vjp, jax.jacrev): its memory savings come from jaxmem.scan's custom VJP, and JAX cannot "
-    "apply forward-mode autodiff (jax.jvp, jax.jacfwd, jax.linearize) to a custom VJP. Use "
-    "flax.nnx.scan (same arguments, without policy/offload/recompute) where you need forward mode."
-)
-
 
 @dataclasses.dataclass(frozen=True)
 class _Traced:
@@ -178,21 +171,18 @@ def _loop(f, init, xs, length=None, reverse=False, unroll=1, _split_transpose=Fa
         outs = run(*carry, *x)
         return list(outs[:n_carry]), list(outs[n_carry:])
 
-    try:
-        final, ys = _scan.scan(
-            step,
-            carry_leaves,
-            x_leaves,
-            length=length,
-            reverse=reverse,
-            unroll=unroll,
-            policy=options.policy,
-            offload=options.offload,
-            recompute=options.recompute,
-            checkpoints=options.checkpoints,
-        )
-    except _scan.ForwardModeError as e:
-        raise _scan.ForwardModeError(_FORWARD_MODE_MESSAGE) from e
+    final, ys = _scan.scan(
+        step,
+        carry_leaves,
+        x_leaves,
+        length=length,
+        reverse=reverse,
+        unroll=unroll,
+        policy=options.policy,
+        offload=options.offload,
+        recompute=options.recompute,
+        checkpoints=options.checkpoints,
+    )
     return tree_unflatten(traced.carry_tree, final), tree_unflatten(traced.y_tree, ys)
 
 
@@ -256,8 +246,6 @@ def scan(
         positive or a string other than ``"sqrt"`` (or with an ``offload`` other than
         ``"carries"``/``"all"``).
       TypeError: a bad ``policy``, ``unroll``, a non-int ``checkpoints``; ``f`` not callable.
-      jaxmem.ForwardModeError: when differentiated in forward mode (``jax.jvp``,
-        ``jax.jacfwd``); use ``flax.nnx.scan`` there.
 
     Examples:
       >>> import jax, jax.numpy as jnp

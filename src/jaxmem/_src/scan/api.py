@@ -12,8 +12,9 @@ Data flow (see ``docs/design.md`` §2):
 4. Backward: a reverse :func:`jax.lax.scan` that rebuilds each step's residuals and applies the
    step's VJP; constant cotangents accumulate in its carry.
 
-Forward-mode differentiation (``jvp``, ``jacfwd``, ``linearize``) cannot pass through a custom
-VJP: :func:`scan` raises :class:`ForwardModeError` and names :func:`jax.lax.scan` as the way out.
+The loop is bound as one ``jaxmem_scan`` primitive (:mod:`jaxmem._src.scan.primitive`) whose
+rules are steps 3-4 for reverse mode, ``lax.scan``'s JVP for forward mode, and a ``jaxmem_scan``
+of the vmapped step for batching.
 """
 
 from __future__ import annotations
@@ -23,29 +24,22 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.tree_util import tree_unflatten
 
 from jaxmem._src import checks
 from jaxmem._src import jax_compat as _jc
 from jaxmem._src.remat import auto as _auto
 from jaxmem._src.scan import options as _opts
+from jaxmem._src.scan import primitive as _primitive
 from jaxmem._src.scan import schedule as _schedule
 from jaxmem._src.scan import summary as _summary
-from jaxmem._src.scan.checkpointed import _CheckpointedScan
 from jaxmem._src.scan.lean import _LeanScan, _stock_stacked_bytes
 from jaxmem._src.scan.trace import _prepare
 
 
 class ForwardModeError(TypeError):
-    """Raised when forward-mode AD (``jax.jvp``, ``jax.jacfwd``) meets :func:`jaxmem.scan`."""
-
-
-_FORWARD_MODE_MESSAGE = (
-    "jaxmem.scan supports reverse-mode differentiation only (jax.grad, jax.vjp, jax.jacrev, and "
-    "jax.hessian, whose reverse pass comes first): its memory savings come from a custom VJP, and "
-    "JAX cannot apply forward-mode autodiff (jax.jvp, jax.jacfwd, jax.linearize) to a custom VJP. "
-    "Use jax.lax.scan where you need forward mode."
-)
+    """Raised when forward-mode AD (``jax.jvp``, ``jax.jacfwd``) meets one of jaxmem's custom
+    VJPs (the losses, :func:`jaxmem.chunked` / :func:`jaxmem.autochunk`, the reversible stacks).
+    :func:`jaxmem.scan` and the Flax scans support forward mode."""
 
 
 def scan_residuals(f: Callable, init: Any, xs: Any = None, length: int | None = None, **kwargs):
@@ -138,7 +132,7 @@ def scan(
     """Scans ``f`` over the leading axis of ``xs``, like :func:`jax.lax.scan`, with a lean VJP.
 
     The forward semantics, arguments and checks are those of :func:`jax.lax.scan`. The gradient
-    is computed by a custom VJP that does not stack residuals that are xs slices or loop-invariant
+    is computed by a VJP that does not stack residuals that are xs slices or loop-invariant
     constants, keeps the carry sequence at most once and serves residuals equal to the carry or a
     ys output from it, recomputes cheap functions of those where that costs no step time
     (``recompute="auto"``), and stacks only the rest: the *partial activations*.
@@ -197,13 +191,11 @@ def scan(
         size and path named), no ``xs`` and no ``length``, a bad ``recompute``, ``checkpoints``
         not positive or a string other than ``"sqrt"`` (a ``TypeError`` for a non-integer),
         ``checkpoints`` with an ``offload`` other than ``"carries"``/``"all"``.
-      ForwardModeError: when differentiated in forward mode (``jax.jvp``, ``jax.jacfwd``); use
-        :func:`jax.lax.scan` there. Where the forward-mode transformation is applied to an
-        already staged function (``jax.jvp(jax.jit(f))``, or calling the linear function that
-        ``jax.linearize`` returns), JAX itself raises ``TypeError: can't apply forward-mode
-        autodiff (jvp) to a custom_vjp function`` when the staged code runs; ``ForwardModeError``
-        is a ``TypeError`` too, so ``except TypeError`` covers both. ``jax.hessian`` (forward
-        over reverse) works.
+
+    Every JAX transformation applies: forward mode (``jax.jvp``, ``jax.jacfwd``,
+    ``jax.linearize``) computes ``lax.scan``'s JVP; ``jax.vmap`` keeps the lean VJP; grad of
+    grad works without ``checkpoints`` (the binomial schedule's backward loop has a dynamic trip
+    count, which JAX cannot differentiate).
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -233,22 +225,8 @@ def scan(
     )
     checkpoints = _auto.resolve_checkpoints(opts.policy, opts.checkpoints)
     f = _opts.apply_policy(f, opts.policy, fname)
-    body, init_leaves, xs_leaves, _, length = _prepare(f, init, xs, length, fname)
-    offload, unroll, recompute = opts.offload, opts.unroll, opts.recompute
-    slots = _opts.check_checkpoints(checkpoints, offload, length, fname)
-    inputs = (body.consts, init_leaves, xs_leaves)
-    spaces = [jax.typeof(v).memory_space for group in inputs for v in group]
-    if slots is None:
-        lean = _LeanScan(body, length, bool(reverse), unroll, recompute, offload, fname, spaces)
-    else:
-        lean = _CheckpointedScan(body, length, bool(reverse), unroll, slots, offload, fname, spaces)
-    try:
-        final, ys = lean.run(*inputs)
-    except TypeError as e:
-        if "forward-mode" in str(e):
-            raise ForwardModeError(_FORWARD_MODE_MESSAGE) from e
-        raise
-    return tree_unflatten(body.carry_tree, final), tree_unflatten(body.y_tree, ys)
+    config = _primitive.LoopConfig(fname, opts.recompute, opts.offload, opts.unroll, checkpoints)
+    return _primitive.run(f, init, xs, length, bool(reverse), config)
 
 
 def scanned(fn: Callable | None = None, *, recompute: str = "auto", **scan_kwargs):

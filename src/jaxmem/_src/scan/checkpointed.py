@@ -8,7 +8,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
+from jax.custom_derivatives import SymbolicZero
 
 from jaxmem._src import jax_compat as _jc
 from jaxmem._src.scan import residuals as _res
@@ -74,8 +74,6 @@ class _CheckpointedScan:
         self.carry_avals = [v.aval for v in invars[n_c : n_c + n_k]]
         self.x_avals = [v.aval for v in invars[n_c + n_k :]]
         self.y_avals = [v.aval for v in _jc.open_jaxpr(body.jaxpr).outvars[n_k:]]
-        self.run = jax.custom_vjp(self._primal)
-        self.run.defvjp(self._fwd, self._bwd, symbolic_zeros=True)
 
     @functools.cached_property
     def traced(self):
@@ -94,9 +92,6 @@ class _CheckpointedScan:
         return _primal_scan(self, consts, init, xs)
 
     def _fwd(self, consts, init, xs):
-        consts, init, xs = jax.tree.map(
-            lambda p: p.value, (consts, init, xs), is_leaf=lambda p: isinstance(p, CustomVJPPrimal)
-        )
         length, tables = self.length, self.tables
         snap_slot, snap_when = jnp.asarray(tables.snap_slot), jnp.asarray(tables.snap_when)
         # The checkpoint slots, each holding the initial carry (slot 0's for good).

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
+from jax.custom_derivatives import SymbolicZero
 from jax.tree_util import tree_unflatten
 
 from jaxmem._src import jax_compat as _jc
@@ -110,9 +110,6 @@ class _LeanScan:
         self.fname = fname
         # Memory spaces of the inputs: inputs in host memory get their cotangents there.
         self.spaces = spaces
-        self.run = jax.custom_vjp(self._primal)
-        # Symbolic zeros: the backward pass learns which cotangents the loss makes zero.
-        self.run.defvjp(self._fwd, self._bwd, symbolic_zeros=True)
 
     @functools.cached_property
     def plan(self) -> _Plan:
@@ -146,10 +143,6 @@ class _LeanScan:
         return _primal_scan(self, consts, init, xs)
 
     def _fwd(self, consts, init, xs):
-        # With symbolic_zeros=True each leaf comes as CustomVJPPrimal(value, perturbed).
-        consts, init, xs = jax.tree.map(
-            lambda p: p.value, (consts, init, xs), is_leaf=lambda p: isinstance(p, CustomVJPPrimal)
-        )
         plan = self.plan
         step_plan = plan.step
         n_carry, n_y = self.body.n_carry, len(step_plan.y_outvars)

@@ -1,0 +1,219 @@
+"""``jaxmem_scan``: one loop of :func:`jaxmem.scan` as a JAX primitive with every rule.
+
+A scan is bound as a hijax primitive (:data:`jaxmem._src.jax_compat.HiPrimitive`) whose rules
+are:
+
+- evaluation and lowering: the plain loop (``jax.lax.scan`` of the step);
+- reverse mode: the lean VJP of :class:`~jaxmem._src.scan.lean._LeanScan` (or the binomial
+  schedule of :class:`~jaxmem._src.scan.checkpointed._CheckpointedScan`), unchanged;
+- forward mode (``jax.jvp``, ``jax.jacfwd``, ``jax.linearize``): the JVP of the plain loop, as
+  fast and as small as ``jax.lax.scan``'s. Reverse over forward (``jax.grad`` of a ``jax.jvp``)
+  and a ``jax.checkpoint`` around the scan differentiate that loop as they would
+  ``jax.lax.scan``'s: correct, with ``lax.scan``'s residuals (JAX's partial evaluation splits a
+  ``lax.scan`` into its primal and tangent loops; it cannot split a primitive of its own);
+- batching (``jax.vmap``): a jaxmem scan of the vmapped step, the batch axis of the scanned
+  inputs and outputs right after the time axis;
+- DCE and remat: the primitive's defaults (an unused scan is removed; ``jax.checkpoint`` around
+  it recomputes it whole, as around ``jax.lax.scan`` with no policy).
+
+The primitive prints as ``jaxmem_scan[length=... reverse=... jaxpr=...]`` in a jaxpr (jax 0.12).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.tree_util import tree_unflatten
+
+from jaxmem._src import jax_compat as _jc
+from jaxmem._src.scan import options as _opts
+from jaxmem._src.scan.checkpointed import _CheckpointedScan
+from jaxmem._src.scan.lean import _LeanScan
+from jaxmem._src.scan.trace import _prepare
+
+
+class LoopConfig:
+    """The resolved options of one loop, shared by the loops its rules derive (hashable)."""
+
+    __slots__ = ("fname", "recompute", "offload", "unroll", "slots_arg")
+
+    def __init__(self, fname, recompute, offload, unroll, slots_arg):
+        self.fname = fname
+        self.recompute = recompute
+        self.offload = offload
+        self.unroll = unroll
+        self.slots_arg = slots_arg  # the checkpoints argument (None: the lean VJP)
+
+    def _key(self):
+        return (self.fname, self.recompute, self.offload, self.unroll, self.slots_arg)
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __eq__(self, other):
+        return isinstance(other, LoopConfig) and self._key() == other._key()
+
+
+def run(f, init, xs, length, reverse: bool, config: LoopConfig):
+    """Traces ``f`` and runs it as one ``jaxmem_scan``: ``(final carry, ys)`` as pytrees."""
+    body, init_leaves, xs_leaves, _, length = _prepare(f, init, xs, length, config.fname)
+    slots = _opts.check_checkpoints(config.slots_arg, config.offload, length, config.fname)
+    inputs = (tuple(body.consts), tuple(init_leaves), tuple(xs_leaves))
+    spaces = [jax.typeof(v).memory_space for group in inputs for v in group]
+    if slots is None:
+        rules = _LeanScan(
+            body, length, reverse, config.unroll, config.recompute, config.offload,
+            config.fname, spaces,
+        )  # fmt: skip
+    else:
+        rules = _CheckpointedScan(
+            body, length, reverse, config.unroll, slots, config.offload, config.fname, spaces
+        )
+    prim = JaxmemScan(rules, config, inputs)
+    final, ys = prim(*inputs)
+    return tree_unflatten(body.carry_tree, final), tree_unflatten(body.y_tree, ys)
+
+
+def _is_float(aval) -> bool:
+    return jnp.issubdtype(aval.dtype, jnp.inexact)
+
+
+def _is_zero(t) -> bool:
+    return isinstance(t, _jc.SymbolicZeroTypes)
+
+
+class JaxmemScan(_jc.HiPrimitive):
+    """One :func:`jaxmem.scan` loop: inputs ``(consts, init, xs)``, outputs ``(final, ys)``."""
+
+    def __init__(self, rules, config: LoopConfig, inputs):
+        self.rules = rules
+        self.config = config
+        self.in_avals = tuple(tuple(jax.typeof(v) for v in group) for group in inputs)
+        body = _jc.open_jaxpr(rules.body.jaxpr)
+        n_carry = rules.body.n_carry
+        out = [v.aval for v in body.outvars]
+        ys = tuple(_jc.stacked(a, rules.length) for a in out[n_carry:])
+        # The final carry has the carry's types (shardings included), the ys the step's.
+        self.out_aval = (self.in_avals[1], ys)
+        self.params = dict(
+            length=rules.length,
+            reverse=bool(rules.reverse),
+            unroll=rules.unroll,
+            checkpoints=getattr(rules, "slots", None),
+            recompute=config.recompute,
+            jaxpr=rules.body.jaxpr,
+            _rules=rules,
+            _config=config,
+        )
+        super().__init__()
+
+    # -- evaluation ------------------------------------------------------------------------------
+
+    def expand(self, consts, init, xs):
+        final, ys = self.rules._primal(list(consts), list(init), list(xs))
+        return tuple(final), tuple(ys)
+
+    # -- reverse mode: the lean VJP ------------------------------------------------------------
+
+    def vjp_fwd(self, nzs_in, consts, init, xs):
+        (final, ys), saved = self.rules._fwd(list(consts), list(init), list(xs))
+        return (tuple(final), tuple(ys)), saved
+
+    def vjp_bwd_retval(self, saved, cts):
+        ct_final, ct_ys = cts
+        to_sym = lambda ct: _jc.to_symbolic_zero(ct) if _is_zero(ct) else ct
+        cts = ([to_sym(c) for c in ct_final], [to_sym(c) for c in ct_ys])
+        ct_consts, ct_init, ct_xs = self.rules._bwd(saved, cts)
+        return tuple(ct_consts), tuple(ct_init), tuple(ct_xs)
+
+    # -- forward mode: the JVP of the plain loop ---------------------------------------------
+
+    def jvp(self, primals, tangents):
+        # jax.lax.scan's JVP: forward mode as fast and as small as stock, and one JAX's partial
+        # evaluation can split into a primal and a tangent loop (jax.checkpoint, jax.linearize).
+        return _stock_jvp(self, primals, tangents)
+
+    lin, linearized = _jc.LINEARIZE_FROM_JVP
+
+    # -- batching: a jaxmem scan of the vmapped step -------------------------------------------
+
+    def batch(self, axis_data, args, dims):
+        consts, init, xs = (list(g) for g in args)
+        k_dims, c_dims, x_dims = (list(g) for g in dims)
+        size = axis_data.size
+        body = self.rules.body
+        n_carry = body.n_carry
+        k_b = [d is not None for d in k_dims]
+        x_b = [d is not None for d in x_dims]
+        # The carry leaves the step batches, to a fixed point (as lax.scan's batching rule).
+        c_b = [d is not None for d in c_dims]
+        while True:
+            out_b = _depends(body.jaxpr, k_b + c_b + x_b)
+            new = [c or o for c, o in zip(c_b, out_b[:n_carry], strict=True)]
+            if new == c_b:
+                break
+            c_b = new
+        y_b = out_b[n_carry:]
+        consts = [
+            x if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(consts, k_dims, strict=True)
+        ]
+        init = [
+            jnp.moveaxis(c, d, 0)
+            if d is not None
+            else (jnp.broadcast_to(c, (size, *c.shape)) if b else c)
+            for c, d, b in zip(init, c_dims, c_b, strict=True)
+        ]
+        # A batched xs leaf has its batch axis right after the time axis.
+        xs = [x if d is None else jnp.moveaxis(x, d, 1) for x, d in zip(xs, x_dims, strict=True)]
+        axis = lambda b: 0 if b else None
+        vmapped = jax.vmap(
+            lambda k, c, x: body(k, c, x),
+            in_axes=([axis(b) for b in k_b], [axis(b) for b in c_b], [axis(b) for b in x_b]),
+            out_axes=([axis(b) for b in c_b], [axis(b) for b in y_b]),
+            **_jc.vmap_axis_params(axis_data),
+        )
+        final, ys = run(
+            lambda c, x: tuple(vmapped(consts, c, x)),
+            init,
+            xs,
+            self.rules.length,
+            bool(self.rules.reverse),
+            self.config,
+        )
+        out = (tuple(final), tuple(ys))
+        out_dims = (tuple(axis(b) for b in c_b), tuple(1 if b else None for b in y_b))
+        return out, out_dims
+
+
+def _depends(jaxpr, batched_in: list) -> list:
+    """Per output of ``jaxpr``: whether it depends on an input marked in ``batched_in`` (what
+    ``jax.vmap`` can batch; an over-approximation, so an output marked False is unbatched)."""
+    jaxpr = _jc.open_jaxpr(jaxpr)
+    marked = {v for v, b in zip(jaxpr.invars, batched_in, strict=True) if b}
+    for eqn in jaxpr.eqns:
+        if any(_jc.is_var(v) and v in marked for v in eqn.invars):
+            marked.update(eqn.outvars)
+    return [_jc.is_var(v) and v in marked for v in jaxpr.outvars]
+
+
+def _stock_jvp(prim, primals, tangents):
+    """The JVP of the plain loop (``jax.lax.scan`` of the step), symbolic zeros instantiated."""
+
+    def instantiate(p, t):
+        if not _is_zero(t):
+            return t
+        aval = jax.typeof(p)
+        if _is_float(aval):
+            return _jc.zeros(aval.to_tangent_aval())
+        return np.zeros(aval.shape, jax.dtypes.float0)
+
+    tangents = tuple(
+        tuple(instantiate(p, t) for p, t in zip(pg, tg, strict=True))
+        for pg, tg in zip(primals, tangents, strict=True)
+    )
+    return jax.jvp(prim.expand, primals, tangents)
+
+
+# Printed in jaxprs as jaxmem_scan[...] (jax 0.12 prints a hijax primitive by its class's name).
+JaxmemScan.__name__ = JaxmemScan.__qualname__ = "jaxmem_scan"

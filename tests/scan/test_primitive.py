@@ -1,0 +1,187 @@
+"""``jaxmem.scan`` as a JAX primitive (``jaxmem_scan``): every transformation against
+:func:`jax.lax.scan`.
+
+Forward mode (``jax.jvp``, ``jax.jacfwd``, ``jax.linearize``, also of jitted functions), forward
+over reverse (``jax.hessian``), reverse over forward, ``jax.vmap`` of each (batched parameters,
+carries or inputs, the batch axis anywhere), ``jax.checkpoint`` around the scan, for the lean
+VJP with and without a policy, unroll and offload, and for ``checkpoints=``. Values within
+1e-5 (f32); ``check_grads`` to order 2 in both modes in float64.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import jaxmem
+from jaxmem._src import jax_compat as jc
+
+T, B, D = 6, 3, 8
+
+
+def _args(seed=0):
+    r = np.random.default_rng(seed)
+    f = lambda *s, scale=1.0: jnp.asarray(r.standard_normal(s) * scale, jnp.float32)
+    return f(D, D, scale=0.3), f(T, B, D), f(B, D)
+
+
+def _loss(scan, **options):
+    def loss(w, xs, h0):
+        def step(carry, x):
+            h, n = carry
+            h = jnp.tanh(h @ w + x)
+            return (h, n + 1), (jnp.sin(h), n)
+
+        (h, n), (ys, ns) = scan(step, (h0, jnp.int32(0)), xs, **options)
+        return jnp.sum(h**2) + jnp.sum(ys * 0.7) + 0.0 * (n + jnp.sum(ns))
+
+    return loss
+
+
+OPTIONS = {
+    "lean": {},
+    "unroll2": {"unroll": 2},
+    "reverse": {"reverse": True},
+    "policy_dots": {"policy": "dots"},
+    "policy_nothing": {"policy": "nothing"},
+    "offload": {"offload": "residuals"},
+    "cheap": {"recompute": "cheap"},
+    "checkpoints2": {"checkpoints": 2},
+}
+
+W, XS, H0 = _args()
+
+MODES = {
+    "jvp": lambda f: jax.jvp(f, (W, XS, H0), (W, XS, H0)),
+    "jvp_one_argument": lambda f: jax.jvp(lambda w: f(w, XS, H0), (W,), (W,)),
+    "jvp_of_jit": lambda f: jax.jvp(jax.jit(f), (W, XS, H0), (W, XS, H0)),
+    "jit_of_jvp": lambda f: jax.jit(lambda p, t: jax.jvp(f, p, t))((W, XS, H0), (W, XS, H0)),
+    "linearize": lambda f: jax.linearize(f, W, XS, H0)[1](W, XS, H0),
+    "jacfwd": lambda f: jax.jacfwd(f, argnums=(0, 2))(W, XS, H0),
+    "jacfwd_of_jit": lambda f: jax.jacfwd(jax.jit(f))(W, XS, H0),
+    "hessian": lambda f: jax.hessian(lambda w: f(w, XS, H0))(W),
+    "jacrev_of_jacfwd": lambda f: jax.jacrev(jax.jacfwd(lambda w: f(w, XS, H0)))(W),
+    "grad_of_jvp": lambda f: jax.grad(lambda w: jax.jvp(lambda v: f(v, XS, H0), (w,), (W,))[1])(W),
+    "vmap_of_jvp": lambda f: jax.vmap(lambda t: jax.jvp(lambda w: f(w, XS, H0), (W,), (t,))[1])(
+        jnp.stack([W, 2 * W])
+    ),
+    "grad_of_checkpoint": lambda f: jax.grad(jax.checkpoint(f), argnums=(0, 1, 2))(W, XS, H0),
+    "grad_of_grad": lambda f: jax.grad(lambda w: jnp.sum(jax.grad(f)(w, XS, H0) ** 2))(W),
+}
+
+# Reverse over reverse through the binomial schedule: its backward loop runs a while loop with a
+# dynamic trip count, which JAX cannot differentiate.
+NOT_SUPPORTED = {("checkpoints2", "grad_of_grad")}
+
+
+def _close(actual, expected):
+    a_leaves, a_tree = jax.tree_util.tree_flatten(actual)
+    e_leaves, e_tree = jax.tree_util.tree_flatten(expected)
+    assert a_tree == e_tree
+    for a, e in zip(a_leaves, e_leaves, strict=True):
+        a, e = np.asarray(a), np.asarray(e)
+        assert a.shape == e.shape and a.dtype == e.dtype
+        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5 * max(1.0, np.abs(e).max()))
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_transformation_matches_lax_scan(option, mode):
+    stock = _loss(jax.lax.scan, reverse=OPTIONS[option].get("reverse", False))
+    ours = _loss(jaxmem.scan, **OPTIONS[option])
+    want = MODES[mode](stock)
+    if (option, mode) in NOT_SUPPORTED:
+        with pytest.raises(ValueError, match="Reverse-mode differentiation does not work"):
+            MODES[mode](ours)
+        return
+    _close(MODES[mode](ours), want)
+
+
+@pytest.mark.parametrize("option", ["lean", "checkpoints2"])
+def test_check_grads_both_modes_order_2(option):
+    r = np.random.default_rng(1)
+    with jax.enable_x64(True):
+        w = jnp.asarray(r.standard_normal((4, 4)) * 0.4)
+        xs = jnp.asarray(r.standard_normal((5, 2, 4)))
+        h0 = jnp.asarray(r.standard_normal((2, 4)))
+
+        def f(w, xs, h0):
+            step = lambda h, x: (jnp.tanh(h @ w + x),) * 2
+            h, ys = jaxmem.scan(step, h0, xs, **OPTIONS[option])
+            return jnp.sum(h**2) + jnp.sum(jnp.cos(ys))
+
+        # Reverse over reverse only where JAX can (not through the binomial schedule's loop).
+        modes = ["fwd", "rev"] if option == "lean" else ["fwd"]
+        check_grads(f, (w, xs, h0), order=2, modes=modes)
+
+
+# ------------------------------------------------------------------------------------------
+# vmap: the batch axis anywhere, on any input; what is not batched stays unbatched.
+
+VMAPS = {
+    "xs_axis0": ((None, 0, None), lambda: (W, jnp.stack([XS, -XS]), H0)),
+    "xs_axis2": ((None, 2, None), lambda: (W, jnp.stack([XS, -XS], axis=2), H0)),
+    "carry": ((None, None, 1), lambda: (W, XS, jnp.stack([H0, -H0], axis=1))),
+    "params": ((0, None, None), lambda: (jnp.stack([W, 0.5 * W]), XS, H0)),
+    "all": (
+        (0, 0, 0),
+        lambda: (jnp.stack([W, 0.5 * W]), jnp.stack([XS, -XS]), jnp.stack([H0, H0])),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(VMAPS))
+@pytest.mark.parametrize("transform", ["value", "grad", "jvp"])
+def test_vmap_matches_lax_scan(case, transform):
+    in_axes, make = VMAPS[case]
+    args = make()
+
+    def apply(scan):
+        f = _loss(scan)
+        if transform == "grad":
+            f = jax.grad(f, argnums=(0, 1, 2))
+        elif transform == "jvp":
+            g = f
+            f = lambda w, xs, h0: jax.jvp(g, (w, xs, h0), (w, xs, h0))
+        return jax.vmap(f, in_axes=in_axes)(*args)
+
+    _close(apply(jaxmem.scan), apply(jax.lax.scan))
+
+
+def test_vmap_keeps_an_unbatched_carry_unbatched():
+    """Only xs batched, and the carry leaf ``n`` never reads them: it comes out unbatched (as
+    ``lax.scan``'s batching rule leaves it), so ``out_axes=None`` works for it."""
+
+    def f(xs):
+        step = lambda c, x: ((c[0] + x, c[1] + 1), c[1])
+        return jaxmem.scan(step, (jnp.zeros(D), jnp.int32(0)), xs)
+
+    (h, n), ns = jax.vmap(f, out_axes=((0, None), None))(jnp.stack([XS[:, 0], XS[:, 1]]))
+    assert h.shape == (2, D) and int(n) == T and ns.shape == (T,)
+
+
+# ------------------------------------------------------------------------------------------
+# The jaxpr: one readable primitive.
+
+
+def test_the_jaxpr_holds_one_jaxmem_scan_with_its_step():
+    jaxpr = jax.make_jaxpr(_loss(jaxmem.scan, unroll=2))(W, XS, H0)
+    eqns = [e for e in jc.open_jaxpr(jaxpr).eqns if e.primitive.name == "call_hi_primitive"]
+    assert len(eqns) == 1
+    prim = eqns[0].params["_prim"]
+    assert type(prim).__name__ == "jaxmem_scan"
+    assert (prim.params["length"], prim.params["unroll"]) == (T, 2)
+    assert [e.primitive.name for e in jc.subjaxprs(eqns[0])[0].eqns][:2] == ["dot_general", "add"]
+    assert "jaxmem_scan" in str(jaxpr) or jax.__version_info__ < (0, 11)
+
+
+def test_an_unused_scan_is_removed():
+    def f(w, xs, h0):
+        jaxmem.scan(lambda h, x: (jnp.tanh(h @ w + x),) * 2, h0, xs)
+        return jnp.sum(w)
+
+    lowered = jax.jit(f).lower(W, XS, H0).as_text()
+    assert "while" not in lowered
