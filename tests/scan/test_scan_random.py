@@ -4,7 +4,8 @@ A body is a small *program*: a list of shape-preserving ops applied to the carry
 step returns as ys and how the scan runs (reverse, unroll, recompute mode). The interpreter
 :func:`apply_program` turns it into a step function, so a failing case prints as a short,
 readable program. Values (carry and ys) and gradients with respect to the closed-over weight,
-init and xs must match ``jax.lax.scan`` with the tolerance rules of ``test_scan.py``.
+init and xs, and the JVP (forward mode) must match ``jax.lax.scan`` with the tolerance rules of
+``test_scan.py``.
 
 A second family, *chooser bodies* (:class:`Chain`), targets one class of silent wrong gradient:
 ``maximum`` / ``minimum`` / ``clip`` / ``where`` of related values fed by scaled dots, two
@@ -160,7 +161,8 @@ def make_args(prog: Program):
 
 
 def cotangents(out):
-    """Random cotangents for the float outputs (float0 zeros for the int counter)."""
+    """Random cotangents (or tangents) for the float leaves of ``out`` (float0 zeros for the int
+    counter)."""
     leaves, tree = jax.tree.flatten(out)
     cts = []
     for i, leaf in enumerate(leaves):
@@ -174,14 +176,16 @@ def cotangents(out):
 
 
 def outputs_and_grads(prog: Program, scan):
-    """``(out, vjp(out)(cotangents(out)))`` for the closed-over weight, init and xs."""
+    """``(out, vjp(out)(cotangents(out)), jvp(out)(tangents))`` for the closed-over weight, init
+    and xs (random tangents, as random as the cotangents)."""
 
     def run(w, h0, xs):
         return scan(apply_program(prog, w), h0, xs, reverse=prog.reverse, unroll=prog.unroll)
 
     def f(w, h0, xs):
         out, vjp = jax.vjp(run, w, h0, xs)
-        return out, vjp(cotangents(out))
+        _, tangent_out = jax.jvp(run, (w, h0, xs), cotangents((w, h0, xs)))
+        return out, vjp(cotangents(out)), tangent_out
 
     return f
 
@@ -205,9 +209,10 @@ def test_random_bodies_match_lax_scan(prog):
     else:
         with jax.disable_jit():
             results = both(*args)
-    (out, grads), (ref_out, ref_grads) = results
+    (out, grads, tangents), (ref_out, ref_grads, ref_tangents) = results
     assert_trees_close(out, ref_out, prog.rtol, "values: out")
     assert_trees_close(grads, ref_grads, prog.rtol, "grads (w, init, xs): grads")
+    assert_trees_close(tangents, ref_tangents, prog.rtol, "jvp: tangents")
 
 
 # ------------------------------------------------------------------------------------------
