@@ -18,6 +18,7 @@ LAYERS = {
     "listing": 1,
     "plots": 1,
     "offload": 1,
+    "vjp_primitive": 1,
     "remat": 2,
     "scan": 3,
     "losses": 4,

@@ -369,10 +369,38 @@ def test_length_without_params():
         np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
-def test_forward_mode_is_a_clear_error():
-    params = make_params(2)
-    with pytest.raises(jaxmem.ForwardModeError, match="reverse-mode differentiation only"):
-        jax.jvp(lambda x: jaxmem.reversible_scan(f, g, x, params), (X,), (X,))
+@pytest.mark.parametrize("anchor_every", [None, 2])
+def test_every_transformation_matches_the_direct_loop(anchor_every):
+    """Forward mode, forward over reverse, reverse over reverse and vmap of each, against the
+    same layers run by a Python loop."""
+    params = make_params(4)
+
+    def loss(run):
+        return lambda p, x: sum(jnp.sum(jnp.sin(y)) for y in run(p, x))
+
+    ours = loss(lambda p, x: jaxmem.reversible_scan(f, g, x, p, anchor_every=anchor_every))
+    ref = loss(lambda p, x: direct((f, g), p, x, 4))
+    x2 = tuple(jnp.stack([v, -v]) for v in X)
+    modes = {
+        "jvp": lambda h: jax.jvp(h, (params, X), (params, X)),
+        "jacfwd": lambda h: jax.jacfwd(h, argnums=1)(params, X),
+        "linearize": lambda h: jax.linearize(h, params, X)[1](params, X),
+        "hessian": lambda h: jax.hessian(lambda x: h(params, x))(X),
+        "grad_of_grad": lambda h: jax.grad(
+            lambda p: sum(jnp.sum(v**2) for v in jax.tree.leaves(jax.grad(h)(p, X)))
+        )(params),
+        "vmap_of_grad": lambda h: jax.vmap(jax.grad(h), in_axes=(None, 0))(params, x2),
+        "grad_of_vmap": lambda h: jax.grad(
+            lambda p: jnp.sum(jax.vmap(h, in_axes=(None, 0))(p, x2))
+        )(params),
+        "vmap_of_jvp": lambda h: jax.vmap(lambda t: jax.jvp(lambda x: h(params, x), (X,), (t,))[1])(
+            x2
+        ),
+    }
+    for name, mode in modes.items():
+        got, want = mode(ours), mode(ref)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5, err_msg=name)
 
 
 # ------------------------------------------------------------------------------------------

@@ -517,3 +517,43 @@ def test_default_tiles_rejects_bad_sizes(args, kwargs, error, match):
 def test_default_tiles_of_no_tokens():
     """An empty batch (what linear_cross_entropy passes for zero tokens) is not an error."""
     assert default_tiles(0, 8, 50) == (0, 1)
+
+
+@pytest.mark.parametrize(
+    "kwargs, naive_kwargs",
+    [
+        ({}, {}),
+        ({"label_smoothing": 0.1, "z_loss": 0.01}, {"label_smoothing": 0.1, "z_loss": 0.01}),
+        ({"logit_softcap": 2.0, "reduction": "sum"}, {"softcap": 2.0, "reduction": "sum"}),
+    ],
+    ids=["plain", "smooth_zloss", "softcap_sum"],
+)
+def test_every_transformation_matches_naive(kwargs, naive_kwargs):
+    """Forward mode (jvp, jacfwd, linearize), forward over reverse (hessian), reverse over
+    reverse and vmap of jvp and of grad equal the naive loss's."""
+    x, w, b, labels = _data()
+
+    def ours(x, w, b):
+        return linear_cross_entropy(x, w, labels, bias=b, chunk_size=C, **kwargs)
+
+    def ref(x, w, b):
+        return _naive(x, w, b, labels, **naive_kwargs)
+
+    modes = {
+        "jvp": lambda f: jax.jvp(f, (x, w, b), (x, w, b)),
+        "jacfwd": lambda f: jax.jacfwd(f, argnums=(0, 2))(x, w, b),
+        "linearize": lambda f: jax.linearize(f, x, w, b)[1](x, w, b),
+        "hessian": lambda f: jax.hessian(f, argnums=2)(x, w, b),
+        "grad_of_grad": lambda f: jax.grad(lambda w: jnp.sum(jax.grad(f, 0)(x, w, b) ** 2))(w),
+        "vmap_of_jvp": lambda f: jax.vmap(lambda t: jax.jvp(f, (x, w, b), (x, t, b))[1])(
+            jnp.stack([w, -w])
+        ),
+        "grad_of_vmap": lambda f: jax.grad(
+            lambda w: jnp.sum(jax.vmap(f, in_axes=(0, None, None))(jnp.stack([x, -x]), w, b))
+        )(w),
+    }
+    for name, mode in modes.items():
+        got, want = jax.jit(lambda mode=mode: (mode(ours), mode(ref)))()
+        for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            assert a.shape == e.shape, name
+            _assert_close(a, e)

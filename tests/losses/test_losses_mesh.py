@@ -477,3 +477,27 @@ def test_shard_map_errors():
         run((P("data"), P(), P("data")))
     with pytest.raises(ValueError, match=r"x must hold the same tokens on every shard of 'model'"):
         run((P("model"), P(None, "model"), P("model")))
+
+
+@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+def test_forward_mode_with_vocab_axis_matches_naive(kind):
+    """jax.jvp and jax.jacfwd of the vocabulary-parallel loss equal the naive loss's."""
+    mesh = _mesh(kind)
+    x, w, _, labels, _ = _host_data()
+
+    def ours(x, w):
+        return linear_cross_entropy(x, w, labels, chunk_size=8, vocab_axis="model")
+
+    def naive(x, w):
+        return _reduce(_naive(x, w, None, labels, None, bias=None)[0], labels == labels, "mean")
+
+    with jax.set_mesh(mesh):
+        xs, ws = jax.device_put(x, X_SPEC), jax.device_put(w, W_SPEC)
+        labels = jax.device_put(labels, P("data", None))
+        for transform in (
+            lambda f: jax.jvp(f, (xs, ws), (xs, ws)),
+            lambda f: jax.jacfwd(f, argnums=1)(xs, ws),
+        ):
+            got, want = jax.jit(lambda t=transform: (t(ours), t(naive)))()
+            for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+                _assert_close(a, e, "forward mode")

@@ -398,3 +398,16 @@ def is_unknown_partial(x) -> bool:
     from jax._src.interpreters import partial_eval as pe
 
     return isinstance(x, pe.JaxprTracer) and not x.is_known()
+
+
+def _batching_markers():
+    from jax._src.interpreters import batching
+
+    return batching.infer, batching.sum_axis
+
+
+# ``jax.vmap`` out_axes markers (private: ``jax._src.interpreters.batching``, 0.10.2 and 0.12):
+# BATCH_INFER lets vmap choose an output's batch axis and return it (``(out, axes)``), as JAX's
+# own hijax batching rules use it; BATCH_SUM sums a cotangent over the batch (with
+# ``sum_match=True``), for an input that was not batched.
+BATCH_INFER, BATCH_SUM = _batching_markers()

@@ -27,8 +27,9 @@ Random numbers replay identically if they are functions of the layer's parameter
 layer its key in ``params`` (``params = {..., "key": jax.random.split(key, depth)}``), as with
 :func:`jax.lax.scan`. Integer and key leaves of ``params`` get no gradient.
 
-Reverse mode only (``jax.grad``, ``jax.vjp``): forward mode raises
-:class:`jaxmem.ForwardModeError`.
+Every JAX transformation applies: reverse mode reconstructs the inputs, forward mode
+(``jax.jvp``, ``jax.jacfwd``) differentiates the stack as written (the stack is one primitive,
+:mod:`jaxmem._src.vjp_primitive`).
 """
 
 from __future__ import annotations
@@ -44,15 +45,8 @@ from jax import lax
 from jax.tree_util import tree_flatten, tree_map, tree_structure, tree_unflatten
 
 from jaxmem._src import checks
-from jaxmem._src.scan.api import ForwardModeError
+from jaxmem._src import vjp_primitive as _vjp_primitive
 from jaxmem._src.scan.options import ScanOptions, apply_policy
-
-_FORWARD_MODE = (
-    "{fn} supports reverse-mode differentiation only (jax.grad, jax.vjp): its memory saving is a "
-    "custom VJP that reconstructs each layer's inputs from its outputs, and JAX cannot apply "
-    "forward-mode autodiff (jax.jvp, jax.jacfwd) to a custom VJP. Run the layers with "
-    "jax.lax.scan (or call the Coupling layer by layer) where you need forward mode."
-)
 
 
 def _stream_name(i: int) -> str:
@@ -203,7 +197,6 @@ class Coupling:
             arrays; a function whose result differs from its stream in structure, shape or
             dtype; ``params`` leaves without the common leading axis. Messages give the path.
           ValueError: a bad ``length`` or ``anchor_every``.
-          jaxmem.ForwardModeError: under ``jax.jvp`` / ``jax.jacfwd``.
 
         Examples:
           >>> import jax, jax.numpy as jnp
@@ -242,24 +235,19 @@ class Coupling:
         s_leaves, s_trees = zip(*(tree_flatten(s) for s in streams), strict=True)
         c_diff = [[jnp.issubdtype(jnp.result_type(c), jnp.inexact) for c in cs] for cs in consts]
         run = _make_run(converted, p_tree, diff, s_trees, c_diff, n_layers, k, unroll)
-        try:
-            out = run(
-                [list(v) for v in s_leaves],
-                [v for v, d in zip(p_leaves, diff, strict=True) if d],
-                [v for v, d in zip(p_leaves, diff, strict=True) if not d],
-                [
-                    [c for c, d in zip(cs, ds, strict=True) if d]
-                    for cs, ds in zip(consts, c_diff, strict=True)
-                ],
-                [
-                    [c for c, d in zip(cs, ds, strict=True) if not d]
-                    for cs, ds in zip(consts, c_diff, strict=True)
-                ],
-            )
-        except TypeError as e:
-            if "forward-mode" in str(e):
-                raise ForwardModeError(_FORWARD_MODE.format(fn=fname)) from e
-            raise
+        out = run(
+            [list(v) for v in s_leaves],
+            [v for v, d in zip(p_leaves, diff, strict=True) if d],
+            [v for v, d in zip(p_leaves, diff, strict=True) if not d],
+            [
+                [c for c, d in zip(cs, ds, strict=True) if d]
+                for cs, ds in zip(consts, c_diff, strict=True)
+            ],
+            [
+                [c for c, d in zip(cs, ds, strict=True) if not d]
+                for cs, ds in zip(consts, c_diff, strict=True)
+            ],
+        )
         return tuple(tree_unflatten(t, v) for t, v in zip(s_trees, out, strict=True))
 
     def _check_shapes(self, fns, p0, streams, fname):
@@ -449,7 +437,6 @@ def _make_run(fns, p_tree, diff, s_trees, c_diff, n_layers: int, k: int | None, 
             dp_tail = [jnp.concatenate([a, b]) for a, b in zip(dp_head, dp_tail, strict=True)]
         return ds, dp_tail, dcd
 
-    @jax.custom_vjp
     def run(s, p_d, p_f, cd, cf):
         return forward(s, p_d, p_f, cd, cf, keep=False)[0]
 
@@ -472,8 +459,7 @@ def _make_run(fns, p_tree, diff, s_trees, c_diff, n_layers: int, k: int | None, 
             [[_zeros_cotangent(c) for c in cs] for cs in cf],
         )
 
-    run.defvjp(fwd, bwd)
-    return run
+    return _vjp_primitive.custom_vjp(run, fwd=fwd, bwd=bwd, name="reversible_scan")
 
 
 # ------------------------------------------------------------------------------------------

@@ -614,9 +614,6 @@ def autochunk(
     Returns:
       An :class:`AutoChunked` callable, ``fn``'s drop-in, with ``.explain(*args)``.
 
-    Raises:
-      ForwardModeError: when a chunked tail meets ``jax.jvp`` / ``jax.jacfwd``.
-
     Examples:
       >>> import jax, jax.numpy as jnp, optax
       >>> import jaxmem

@@ -17,8 +17,9 @@ chunk. This is the AutoChunker of PyTorch Inductor, and the fused linear cross-e
 
 Both compute the gradients in the forward pass when differentiated (``jax.grad``/``jax.vjp``;
 never under plain evaluation, which only sums values), at the cost of a backward pass of the
-tail, not more: the chunk's forward is not run twice. Forward-mode differentiation
-(``jax.jvp``) is not supported (``jax.custom_vjp``): :class:`jaxmem.ForwardModeError`.
+tail, not more: the chunk's forward is not run twice. Forward mode (``jax.jvp``,
+``jax.jacfwd``, ``jax.linearize``) differentiates the chunked sum as written; ``jax.vmap``
+batches it (the chunk loop is one primitive, :mod:`jaxmem._src.vjp_primitive`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmem._src.scan.api import ForwardModeError
+from jaxmem._src import vjp_primitive as _vjp_primitive
 
 _REDUCTIONS = ("sum", "mean")
 DEFAULT_MAX_CHUNK_BYTES = 4 * 2**20
@@ -42,13 +43,6 @@ DEFAULT_MAX_CHUNK_BYTES = 4 * 2**20
 # few hundred they are larger than they need be (the temp is a few tiles).
 _TARGET_TILES = 512
 _MIN_TILE_BYTES = 2**20
-
-_FORWARD_MODE = (
-    "{fn} computes gradients chunk by chunk under a custom VJP, and JAX cannot apply "
-    "forward-mode autodiff (jax.jvp, jax.jacfwd, jax.linearize) to a custom VJP. Call the "
-    "function without {fn} where you need forward mode."
-)
-
 
 # ------------------------------------------------------------------------------------------
 # The loop: rows split along per-leaf axes, gradient in forward.
@@ -139,10 +133,6 @@ def _sum_of_chunks(run, rows_leaves, param_leaves, n: int, size: int, fname: str
             total = total + value_of(full * size, rem, dr, ir, dp, ip).astype(jnp.float32)
         return total.astype(out_dtype)
 
-    @jax.custom_vjp
-    def core(dr, ir, dp, ip):
-        return value(dr, ir, dp, ip)
-
     def fwd(dr, ir, dp, ip):
         rows, params = merge(dr, ir, d_rows), merge(dp, ip, d_params)
 
@@ -178,18 +168,13 @@ def _sum_of_chunks(run, rows_leaves, param_leaves, n: int, size: int, fname: str
             [None] * (len(d_params) - sum(d_params)),
         )
 
-    core.defvjp(fwd, bwd)
-    try:
-        return core(
-            pick(rows_leaves, d_rows, True),
-            pick(rows_leaves, d_rows, False),
-            pick(param_leaves, d_params, True),
-            pick(param_leaves, d_params, False),
-        )
-    except TypeError as e:
-        if "forward-mode" in str(e):
-            raise ForwardModeError(_FORWARD_MODE.format(fn=fname)) from e
-        raise
+    core = _vjp_primitive.custom_vjp(value, fwd=fwd, bwd=bwd, name=fname)
+    return core(
+        pick(rows_leaves, d_rows, True),
+        pick(rows_leaves, d_rows, False),
+        pick(param_leaves, d_params, True),
+        pick(param_leaves, d_params, False),
+    )
 
 
 class _Tiles:
@@ -362,7 +347,6 @@ def chunked(
     Raises:
       ValueError / TypeError: bad options, or split arguments of different row counts (every
         leaf named by its path).
-      ForwardModeError: under ``jax.jvp`` / ``jax.jacfwd``.
 
     Examples:
       >>> import jax, jax.numpy as jnp

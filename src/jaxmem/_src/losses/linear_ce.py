@@ -5,7 +5,7 @@ hidden states and ``w[D, V]`` the unembedding. Written plainly, ``jax.grad`` kee
 ``[N, V]`` logits (and XLA several more buffers of that size: softmax, its cotangent), which for a
 large vocabulary dominates the memory of a training step. :func:`linear_cross_entropy` instead
 walks over the vocabulary in chunks of ``chunk_size`` columns, keeping an online log-sum-exp in
-f32, and a :func:`jax.custom_vjp` backward pass recomputes each chunk's logits to form ``dx``,
+f32, and a custom backward pass recomputes each chunk's logits to form ``dx``,
 ``dw`` and ``dbias``: the residuals it saves are its inputs plus one f32 number per token.
 
 With ``w`` sharded over V on a mesh axis (``vocab_axis``), each shard runs the same chunked core
@@ -38,6 +38,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from jaxmem._src import jax_compat as _jc
+from jaxmem._src import vjp_primitive as _vjp_primitive
 from jaxmem._src.losses.linear_ce_config import (
     _CALLER,
     _check_float,
@@ -207,10 +208,17 @@ def _forward_rows(cfg: _Config, x, w, b, labels, mask):
     return jnp.where(mask, loss, 0.0), lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _lce_core(cfg: _Config, x, w, b, labels, mask):
-    """Per-token loss [N] (0 where ``mask`` is False) and lse [N], both f32."""
-    return _run_forward(cfg, x, w, b, labels, mask)
+    """Per-token loss [N] (0 where ``mask`` is False) and lse [N], both f32: one primitive with
+    the chunked backward pass as its VJP, and every other transformation (forward mode: the JVP
+    of the chunked forward pass)."""
+    core = _vjp_primitive.custom_vjp(
+        functools.partial(_run_forward, cfg),
+        fwd=functools.partial(_lce_fwd, cfg),
+        bwd=functools.partial(_lce_bwd, cfg),
+        name="linear_cross_entropy",
+    )
+    return core(x, w, b, labels, mask)
 
 
 def _lce_fwd(cfg, x, w, b, labels, mask):
@@ -322,9 +330,6 @@ def _bwd_rows(cfg, x, w, b, labels, mask, lse, g_loss, g_lse, dw, db):
         None if b is None else jnp.zeros_like(b) if db is None else db,
     )
     return lax.fori_loop(0, num_chunks, body, init)
-
-
-_lce_core.defvjp(_lce_fwd, _lce_bwd)
 
 
 # --- the split read from the operands' shardings (Auto mesh, no vocab_axis) ----------------------
@@ -567,8 +572,9 @@ def linear_cross_entropy(
     over), every shard running the chunked core on its slice. V must be divisible by the size
     of the axis.
 
-    Not supported: forward-mode differentiation (``jax.jvp``, ``jax.jacfwd``) - a custom VJP
-    limit; gradients with respect to ``labels`` or ``where`` (they are integer/boolean).
+    Every JAX transformation applies (forward mode: the JVP of the chunked forward pass).
+    Not supported: gradients with respect to ``labels`` or ``where`` (they are
+    integer/boolean).
 
     Args:
       x: Hidden states ``[..., D]``, floating.

@@ -207,9 +207,11 @@ def _combine_shards(cfg: _Config, m, s, zy, zsum):
     """Vocabulary-parallel log-sum-exp: the global max, then sums of the shards' rescaled sums.
 
     As Megatron-LM's vocab-parallel cross-entropy: one ``pmax`` and one ``psum`` over the
-    vocabulary axis, on ``[N]`` vectors (never the logits).
+    vocabulary axis, on ``[N]`` vectors (never the logits). The max only shifts the sums for
+    range (the log-sum-exp does not depend on it): it passes no derivative, so forward mode never
+    meets ``pmax`` (which has no JVP rule).
     """
-    m_all = lax.pmax(m, cfg.axis_name)
+    m_all = lax.pmax(lax.stop_gradient(m), cfg.axis_name)
     parts = (s * jnp.exp(m - m_all), zy) + ((zsum,) if cfg.label_smoothing else ())
     parts = lax.psum(parts, cfg.axis_name)
     return (m_all, *parts[:2], parts[2] if cfg.label_smoothing else zsum)

@@ -37,9 +37,11 @@ from jaxmem._src.scan.trace import _prepare
 
 
 class ForwardModeError(TypeError):
-    """Raised when forward-mode AD (``jax.jvp``, ``jax.jacfwd``) meets one of jaxmem's custom
-    VJPs (the losses, :func:`jaxmem.chunked` / :func:`jaxmem.autochunk`, the reversible stacks).
-    :func:`jaxmem.scan` and the Flax scans support forward mode."""
+    """Deprecated: no jaxmem function raises it any more (every one supports forward mode).
+
+    Kept so that code written for earlier versions (``except jaxmem.ForwardModeError``) still
+    runs; a ``TypeError``.
+    """
 
 
 def scan_residuals(f: Callable, init: Any, xs: Any = None, length: int | None = None, **kwargs):

@@ -1,0 +1,135 @@
+"""A function with jaxmem's own reverse-mode rule that keeps every other transformation.
+
+``jax.custom_vjp`` gives a function a memory-lean backward pass and takes forward mode away:
+``jax.jvp``, ``jax.jacfwd`` and ``jax.linearize`` raise. :func:`custom_vjp` here takes the same
+three functions (``fun``, ``fwd``, ``bwd``) and binds them as one hijax primitive
+(:data:`jaxmem._src.jax_compat.HiPrimitive`) whose rules are:
+
+- evaluation and lowering: ``fun``;
+- reverse mode: ``fwd`` then ``bwd`` (the residuals ``fwd`` chooses, as with ``jax.custom_vjp``);
+- forward mode: the JVP of ``fun`` (what ``jax.jvp`` of the plain function computes);
+- batching: the same primitive over ``jax.vmap`` of the three functions, the residuals' batch
+  axes inferred (an unbatched residual, a shared weight say, stays unbatched).
+
+Used by the losses (:func:`jaxmem.linear_cross_entropy`, :func:`jaxmem.chunked`,
+:func:`jaxmem.autochunk`) and the reversible stacks.
+
+Examples:
+  >>> import jax, jax.numpy as jnp
+  >>> f = custom_vjp(
+  ...     jnp.sin,
+  ...     fwd=lambda x: (jnp.sin(x), jnp.cos(x)),
+  ...     bwd=lambda cos, ct: (cos * ct,),
+  ...     name="sin",
+  ... )
+  >>> x = jnp.float32(0.5)
+  >>> bool(jnp.allclose(jax.grad(f)(x), jnp.cos(x)))
+  True
+  >>> bool(jnp.allclose(jax.jvp(f, (x,), (x,))[1], x * jnp.cos(x)))  # forward mode too
+  True
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmem._src import jax_compat as _jc
+
+
+def custom_vjp(fun: Callable, *, fwd: Callable, bwd: Callable, name: str) -> Callable:
+    """``fun`` with the reverse-mode rule ``fwd``/``bwd`` (``jax.custom_vjp``'s contract, without
+    ``nondiff_argnums``: close over static values) and every other transformation.
+
+    ``fwd(*args) -> (out, residuals)``; ``bwd(residuals, out_cotangent) -> a tuple of one
+    cotangent per argument`` (None, or a tree of None, for an argument without one). Zero output
+    cotangents reach ``bwd`` as arrays of zeros.
+    """
+
+    @functools.wraps(fun)
+    def call(*args):
+        return _VJPPrimitive(fun, fwd, bwd, name, args)(*args)
+
+    return call
+
+
+def _is_zero(t) -> bool:
+    return isinstance(t, _jc.SymbolicZeroTypes)
+
+
+def _instantiate(value, t):
+    """``t``, a symbolic zero made an array of zeros for ``value`` (float0 for an int value)."""
+    if not _is_zero(t):
+        return t
+    aval = jax.typeof(value)
+    if jnp.issubdtype(aval.dtype, jnp.inexact):
+        return _jc.zeros(aval.to_tangent_aval())
+    return np.zeros(aval.shape, jax.dtypes.float0)
+
+
+class _VJPPrimitive(_jc.HiPrimitive):
+    def __init__(self, fun, fwd, bwd, name, args):
+        self.in_avals = jax.tree.map(jax.typeof, tuple(args))
+        closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args)
+        out_avals = [v.aval for v in _jc.open_jaxpr(closed).outvars]
+        self.out_aval = jax.tree.unflatten(jax.tree.structure(out_shape), out_avals)
+        self.params = dict(name=name, _fun=fun, _fwd=fwd, _bwd=bwd)
+        super().__init__()
+
+    def expand(self, *args):
+        return self._fun(*args)
+
+    def vjp_fwd(self, nzs_in, *args):
+        return self._fwd(*args)
+
+    def vjp_bwd_retval(self, res, ct):
+        ct = jax.tree.map(
+            lambda a, c: _instantiate(jnp.zeros(a.shape, a.dtype), c) if _is_zero(c) else c,
+            self.out_aval,
+            ct,
+            is_leaf=_is_zero,
+        )
+        return tuple(self._bwd(res, ct))
+
+    def jvp(self, primals, tangents):
+        tangents = jax.tree.map(_instantiate, primals, tangents, is_leaf=_is_zero)
+        return jax.jvp(self._fun, tuple(primals), tuple(tangents))
+
+    lin, linearized = _jc.LINEARIZE_FROM_JVP
+
+    def batch(self, axis_data, args, dims):
+        params = _jc.vmap_axis_params(axis_data)
+
+        def inferred(f, out_axes):
+            """The batch axes ``jax.vmap(f)`` gives its outputs (one abstract trace)."""
+            found = []
+
+            def g(*a):
+                out, axes = jax.vmap(f, in_axes=dims, out_axes=out_axes, **params)(*a)
+                found.append(axes)
+                return out
+
+            jax.eval_shape(g, *args)
+            return found[0]
+
+        out_dims = inferred(self._fun, _jc.BATCH_INFER)
+        _, res_dims = inferred(self._fwd, (out_dims, _jc.BATCH_INFER))
+        # Cotangents of unbatched inputs are summed over the batch.
+        in_dims = jax.tree.map(
+            lambda d: _jc.BATCH_SUM if d is None else d, dims, is_leaf=lambda d: d is None
+        )
+        batched = _VJPPrimitive(
+            jax.vmap(self._fun, in_axes=dims, out_axes=out_dims, **params),
+            jax.vmap(self._fwd, in_axes=dims, out_axes=(out_dims, res_dims), **params),
+            jax.vmap(
+                self._bwd, in_axes=(res_dims, out_dims), out_axes=in_dims, sum_match=True,
+                **params,
+            ),
+            self.name,
+            args,
+        )  # fmt: skip
+        return batched(*args), out_dims
