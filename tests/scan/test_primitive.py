@@ -69,6 +69,17 @@ MODES = {
         jnp.stack([W, 2 * W])
     ),
     "grad_of_checkpoint": lambda f: jax.grad(jax.checkpoint(f), argnums=(0, 1, 2))(W, XS, H0),
+    "grad_of_checkpoint_dots": lambda f: jax.grad(
+        jax.checkpoint(f, policy=jax.checkpoint_policies.dots_saveable), argnums=(0, 1, 2)
+    )(W, XS, H0),
+    "jvp_of_checkpoint": lambda f: jax.jvp(jax.checkpoint(f), (W, XS, H0), (W, XS, H0)),
+    "jacfwd_of_checkpoint": lambda f: jax.jacfwd(jax.checkpoint(lambda w: f(w, XS, H0)))(W),
+    "vmap_of_grad_of_checkpoint": lambda f: jax.vmap(
+        jax.grad(jax.checkpoint(f)), in_axes=(None, 0, None)
+    )(W, jnp.stack([XS, -XS]), H0),
+    "grad_of_checkpoint_of_vmap": lambda f: jax.grad(
+        jax.checkpoint(lambda w: jnp.sum(jax.vmap(f, (None, 0, None))(w, jnp.stack([XS, -XS]), H0)))
+    )(W),
     "grad_of_grad": lambda f: jax.grad(lambda w: jnp.sum(jax.grad(f)(w, XS, H0) ** 2))(W),
 }
 
@@ -161,6 +172,29 @@ def test_vmap_keeps_an_unbatched_carry_unbatched():
 
     (h, n), ns = jax.vmap(f, out_axes=((0, None), None))(jnp.stack([XS[:, 0], XS[:, 1]]))
     assert h.shape == (2, D) and int(n) == T and ns.shape == (T,)
+
+
+def _temp(f, *args):
+    return jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_checkpoint_around_the_scan_keeps_the_lean_residuals():
+    """jax.checkpoint around a jaxmem scan: the backward pass recomputes the scan and keeps its
+    lean residuals (the temp of the plain gradient), where lax.scan keeps its own."""
+    T2, B2, D2 = 64, 16, 128
+    args = (jnp.eye(D2) * 0.1, jnp.ones((T2, B2, D2)), jnp.zeros((B2, D2)))
+
+    def loss(scan):
+        def f(w, xs, h0):
+            _, ys = scan(lambda h, x: (jnp.tanh(h @ w + x),) * 2, h0, xs)
+            return jnp.sum(ys**2)
+
+        return f
+
+    lean = _temp(jax.grad(loss(jaxmem.scan)), *args)
+    stock = _temp(jax.grad(loss(jax.lax.scan)), *args)
+    assert lean < 0.6 * stock
+    assert _temp(jax.grad(jax.checkpoint(loss(jaxmem.scan))), *args) <= lean
 
 
 # ------------------------------------------------------------------------------------------

@@ -411,3 +411,25 @@ def _batching_markers():
 # own hijax batching rules use it; BATCH_SUM sums a cotangent over the batch (with
 # ``sum_match=True``), for an input that was not batched.
 BATCH_INFER, BATCH_SUM = _batching_markers()
+
+
+def in_forward_mode() -> bool:
+    """Whether the current trace is under a user's forward-mode transformation (``jax.jvp``,
+    ``jax.jacfwd``, ``jax.linearize``): JAX records it in the name stack as ``jvp(...)``
+    (``jax.extend.source_info_util``; 0.10.2 and 0.12). A JVP rule that JAX calls to
+    linearize by JVP and partial evaluation (inside ``jax.checkpoint``) is not under one."""
+    return "jvp(" in str(_siu.current_name_stack())
+
+
+def _grad_accum():
+    from jax.interpreters import ad
+
+    return (
+        getattr(ad, "GradAccum", None)
+        or __import__("jax._src.interpreters.ad", fromlist=["GradAccum"]).GradAccum
+    )
+
+
+# The accumulator a hijax transpose rule receives for each linear input (``accum(value)``);
+# private: ``jax._src.interpreters.ad.GradAccum`` (0.10.2 and 0.12).
+GradAccum = _grad_accum()

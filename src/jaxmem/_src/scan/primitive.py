@@ -7,10 +7,11 @@ are:
 - reverse mode: the lean VJP of :class:`~jaxmem._src.scan.lean._LeanScan` (or the binomial
   schedule of :class:`~jaxmem._src.scan.checkpointed._CheckpointedScan`), unchanged;
 - forward mode (``jax.jvp``, ``jax.jacfwd``, ``jax.linearize``): the JVP of the plain loop, as
-  fast and as small as ``jax.lax.scan``'s. Reverse over forward (``jax.grad`` of a ``jax.jvp``)
-  and a ``jax.checkpoint`` around the scan differentiate that loop as they would
-  ``jax.lax.scan``'s: correct, with ``lax.scan``'s residuals (JAX's partial evaluation splits a
-  ``lax.scan`` into its primal and tangent loops; it cannot split a primitive of its own);
+  fast and as small as ``jax.lax.scan``'s (reverse over forward differentiates that loop with
+  ``lax.scan``'s residuals). Where JAX linearizes by JVP and partial evaluation (a
+  ``jax.checkpoint`` around the scan), which cannot split a primitive into known and unknown
+  parts, the rule returns the lean forward loop's outputs and residuals (known) and
+  :class:`_LinearizedScan` of the tangents, whose transpose is the lean backward loop;
 - batching (``jax.vmap``): a jaxmem scan of the vmapped step, the batch axis of the scanned
   inputs and outputs right after the time axis;
 - DCE and remat: the primitive's defaults (an unused scan is removed; ``jax.checkpoint`` around
@@ -127,12 +128,23 @@ class JaxmemScan(_jc.HiPrimitive):
         ct_consts, ct_init, ct_xs = self.rules._bwd(saved, cts)
         return tuple(ct_consts), tuple(ct_init), tuple(ct_xs)
 
-    # -- forward mode: the JVP of the plain loop ---------------------------------------------
+    # -- forward mode -----------------------------------------------------------------------
 
     def jvp(self, primals, tangents):
-        # jax.lax.scan's JVP: forward mode as fast and as small as stock, and one JAX's partial
-        # evaluation can split into a primal and a tangent loop (jax.checkpoint, jax.linearize).
-        return _stock_jvp(self, primals, tangents)
+        if _jc.in_forward_mode():
+            # jax.jvp / jax.jacfwd / jax.linearize: lax.scan's JVP, as fast and as small.
+            return _stock_jvp(self, primals, tangents)
+        # Linearized by JVP and partial evaluation (jax.checkpoint around the scan): the primal
+        # and the lean residuals from the forward loop (known), the tangents from a primitive
+        # linear in them whose transpose is the lean backward loop.
+        primals = tuple(tuple(g) for g in primals)
+        nz = tuple(tuple(not _is_zero(t) for t in g) for g in tangents)
+        out, saved = self.vjp_fwd(nz, *primals)
+        nz_tangents = tuple(t for g in tangents for t in g if not _is_zero(t))
+        if not nz_tangents:
+            return out, jax.tree.map(lambda a: _jc.zero_tangent(a), self.out_aval)
+        tangent = _LinearizedScan(self, nz, saved, primals, nz_tangents)
+        return out, tangent.outputs(tangent(saved, primals, nz_tangents))
 
     lin, linearized = _jc.LINEARIZE_FROM_JVP
 
@@ -213,6 +225,98 @@ def _stock_jvp(prim, primals, tangents):
         for pg, tg in zip(primals, tangents, strict=True)
     )
     return jax.jvp(prim.expand, primals, tangents)
+
+
+class _LinearizedScan(_jc.HiPrimitive):
+    """The tangents of one ``jaxmem_scan`` as a function of its input tangents (linear in them),
+    given its lean residuals and its primal inputs: its transpose is the lean backward loop; run
+    forward (a JVP of a checkpointed function), it computes ``lax.scan``'s JVP."""
+
+    def __init__(self, scan: JaxmemScan, nz, saved, primals, nz_tangents):
+        self.scan = scan
+        self.nz = nz
+        typeof = lambda tree: jax.tree.map(jax.typeof, tree)
+        self.in_avals = (typeof(saved), typeof(primals), typeof(nz_tangents))
+        final, ys = scan.out_aval
+        self.float_out = tuple(tuple(_is_float(a) for a in g) for g in (final, ys))
+        self.out_aval = tuple(
+            tuple(a.to_tangent_aval() for a, f in zip(g, fl, strict=True) if f)
+            for g, fl in zip((final, ys), self.float_out, strict=True)
+        )
+        self.params = dict(_scan=scan, _nz=nz)
+        super().__init__()
+
+    def outputs(self, float_tangents):
+        """The tangents of every output: these for the float ones, symbolic zeros elsewhere."""
+        out = []
+        for g, fl, avals in zip(float_tangents, self.float_out, self.scan.out_aval, strict=True):
+            it = iter(g)
+            out.append(
+                tuple(
+                    next(it) if f else _jc.zero_tangent(a) for f, a in zip(fl, avals, strict=True)
+                )
+            )
+        return tuple(out)
+
+    def _full_tangents(self, primals, nz_tangents):
+        it = iter(nz_tangents)
+        return tuple(
+            tuple(
+                next(it) if n else _jc.zero_tangent(jax.typeof(p))
+                for p, n in zip(pg, ng, strict=True)
+            )
+            for pg, ng in zip(primals, self.nz, strict=True)
+        )
+
+    def expand(self, saved, primals, nz_tangents):
+        _, tangents = _stock_jvp(self.scan, primals, self._full_tangents(primals, nz_tangents))
+        return tuple(
+            tuple(t for t, f in zip(g, fl, strict=True) if f)
+            for g, fl in zip(tangents, self.float_out, strict=True)
+        )
+
+    def jvp(self, primals, tangents):
+        primals, tangents = (
+            tuple(primals),
+            tuple(
+                jax.tree.map(_instantiate_like, p, t, is_leaf=_is_zero)
+                for p, t in zip(primals, tangents, strict=True)
+            ),
+        )
+        return jax.jvp(self.expand, primals, tangents)
+
+    def transpose(self, cts, saved, primals, nz_accums):
+        if all(_is_zero(c) for g in cts for c in g):
+            return None
+        it_cts = [iter(g) for g in cts]
+        full = tuple(
+            [next(it) if f else _jc.zero_tangent(a) for f, a in zip(fl, avals, strict=True)]
+            for it, fl, avals in zip(it_cts, self.float_out, self.scan.out_aval, strict=True)
+        )
+        ct_in = self.scan.vjp_bwd_retval(saved, full)
+        flat = [
+            c for g, ng in zip(ct_in, self.nz, strict=True) for c, n in zip(g, ng, strict=True) if n
+        ]
+        for acc, c in zip(nz_accums, flat, strict=True):
+            if isinstance(acc, _jc.GradAccum):
+                acc.accum(c)
+        return None
+
+    def batch(self, axis_data, args, dims):
+        out_dims = tuple(tuple(0 for _ in g) for g in self.out_aval)
+        out = jax.vmap(
+            self.expand, in_axes=tuple(dims), out_axes=out_dims, **_jc.vmap_axis_params(axis_data)
+        )(*args)
+        return out, out_dims
+
+
+def _instantiate_like(p, t):
+    if not _is_zero(t):
+        return t
+    aval = jax.typeof(p)
+    if _is_float(aval):
+        return _jc.zeros(aval.to_tangent_aval())
+    return np.zeros(aval.shape, jax.dtypes.float0)
 
 
 # Printed in jaxprs as jaxmem_scan[...] (jax 0.12 prints a hijax primitive by its class's name).
