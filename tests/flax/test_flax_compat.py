@@ -141,8 +141,9 @@ def _unwrap(fn):
 
 
 def _is_jaxmem_vjp(eqn) -> bool:
-    """A jaxmem loop: the ``jaxmem_scan`` primitive, or a custom VJP whose rules are jaxmem's."""
-    if type(eqn.params.get("_prim")).__name__ == "jaxmem_scan":
+    """A jaxmem loop: one of jaxmem's primitives (``jaxmem_scan``, the reversible stack's), or a
+    custom VJP whose rules are jaxmem's."""
+    if type(eqn.params.get("_prim")).__module__.startswith("jaxmem._src."):
         return True
     if not eqn.primitive.name.startswith("custom_vjp_call"):
         return False
