@@ -479,14 +479,16 @@ def test_shard_map_errors():
         run((P("model"), P(None, "model"), P("model")))
 
 
-@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
-def test_forward_mode_with_vocab_axis_matches_naive(kind):
-    """jax.jvp and jax.jacfwd of the vocabulary-parallel loss equal the naive loss's."""
-    mesh = _mesh(kind)
+@pytest.mark.parametrize("mode", ["auto", "explicit", "auto_default"])
+def test_forward_mode_with_vocab_axis_matches_naive(mode):
+    """jax.jvp and jax.jacfwd of the vocabulary-parallel loss equal the naive loss's (with
+    ``vocab_axis``, and the default call under Auto, the split read from the shardings)."""
+    mesh = _mesh(AxisType.Explicit if mode == "explicit" else AxisType.Auto)
     x, w, _, labels, _ = _host_data()
+    extra = {} if mode == "auto_default" else {"vocab_axis": "model"}
 
     def ours(x, w):
-        return linear_cross_entropy(x, w, labels, chunk_size=8, vocab_axis="model")
+        return linear_cross_entropy(x, w, labels, chunk_size=8, **extra)
 
     def naive(x, w):
         return _reduce(_naive(x, w, None, labels, None, bias=None)[0], labels == labels, "mean")
