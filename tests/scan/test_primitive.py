@@ -87,6 +87,28 @@ MODES = {
 # dynamic trip count, which JAX cannot differentiate.
 NOT_SUPPORTED = {("checkpoints2", "grad_of_grad")}
 
+# An open defect of the custom VJP that jaxmem.scan is on jax 0.10.2: grad of a checkpoint
+# around vmap of a scan with checkpoints= fails to trace (a shape error, never a wrong value).
+OPEN_ON_0_10 = {("checkpoints2", "grad_of_checkpoint_of_vmap")}
+
+# Forward mode through the scan: on jax 0.10.2, where jaxmem.scan is a custom VJP
+# (jax_compat.HIPRIM_SCAN), these raise (ForwardModeError, JAX's own TypeError, or JAX's
+# NotImplementedError for grad of jvp), never a wrong derivative.
+FORWARD = {
+    "jvp",
+    "jvp_one_argument",
+    "jvp_of_jit",
+    "jit_of_jvp",
+    "linearize",
+    "jacfwd",
+    "jacfwd_of_jit",
+    "jacrev_of_jacfwd",
+    "grad_of_jvp",
+    "vmap_of_jvp",
+    "jvp_of_checkpoint",
+    "jacfwd_of_checkpoint",
+}
+
 
 def _close(actual, expected):
     a_leaves, a_tree = jax.tree_util.tree_flatten(actual)
@@ -108,6 +130,14 @@ def test_transformation_matches_lax_scan(option, mode):
         with pytest.raises(ValueError, match="Reverse-mode differentiation does not work"):
             MODES[mode](ours)
         return
+    if (option, mode) in OPEN_ON_0_10 and not jc.HIPRIM_SCAN:
+        with pytest.raises(TypeError, match="incompatible shapes"):
+            MODES[mode](ours)
+        return
+    if mode in FORWARD and not jc.HIPRIM_SCAN:
+        with pytest.raises((TypeError, NotImplementedError)):
+            MODES[mode](ours)
+        return
     _close(MODES[mode](ours), want)
 
 
@@ -124,8 +154,11 @@ def test_check_grads_both_modes_order_2(option):
             h, ys = jaxmem.scan(step, h0, xs, **OPTIONS[option])
             return jnp.sum(h**2) + jnp.sum(jnp.cos(ys))
 
-        # Reverse over reverse only where JAX can (not through the binomial schedule's loop).
-        modes = ["fwd", "rev"] if option == "lean" else ["fwd"]
+        # Reverse over reverse only where JAX can (not through the binomial schedule's loop);
+        # forward mode where jaxmem.scan is a primitive.
+        modes = (["fwd"] if jc.HIPRIM_SCAN else []) + (["rev"] if option == "lean" else [])
+        if not modes:
+            return
         check_grads(f, (w, xs, h0), order=2, modes=modes)
 
 
@@ -147,6 +180,8 @@ VMAPS = {
 @pytest.mark.parametrize("case", list(VMAPS))
 @pytest.mark.parametrize("transform", ["value", "grad", "jvp"])
 def test_vmap_matches_lax_scan(case, transform):
+    if transform == "jvp" and not jc.HIPRIM_SCAN:
+        pytest.skip("forward mode: jaxmem.scan is a custom VJP on jax 0.10.2 (HIPRIM_SCAN)")
     in_axes, make = VMAPS[case]
     args = make()
 
@@ -178,6 +213,7 @@ def _temp(f, *args):
     return jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.skipif(not jc.HIPRIM_SCAN, reason="the primitive's JVP rule (jax >= 0.11)")
 def test_checkpoint_around_the_scan_keeps_the_lean_residuals():
     """jax.checkpoint around a jaxmem scan: the backward pass recomputes the scan and keeps its
     lean residuals (the temp of the plain gradient), where lax.scan keeps its own."""
@@ -201,6 +237,7 @@ def test_checkpoint_around_the_scan_keeps_the_lean_residuals():
 # The jaxpr: one readable primitive.
 
 
+@pytest.mark.skipif(not jc.HIPRIM_SCAN, reason="jaxmem.scan is a custom VJP on jax 0.10.2")
 def test_the_jaxpr_holds_one_jaxmem_scan_with_its_step():
     jaxpr = jax.make_jaxpr(_loss(jaxmem.scan, unroll=2))(W, XS, H0)
     eqns = [e for e in jc.open_jaxpr(jaxpr).eqns if e.primitive.name == "call_hi_primitive"]

@@ -330,6 +330,12 @@ from jax.experimental import hijax as _hijax  # noqa: E402
 # ``batch``) have the same signatures on both; ``dce`` and ``remat`` (not overridden) differ.
 HiPrimitive = getattr(_hijax, "HiPrim", None) or _hijax.VJPHiPrimitive
 
+# Whether jaxmem.scan is bound as the jaxmem_scan primitive (else a custom VJP, reverse mode
+# only). Not on jax 0.10.2: there, lowering the primitive inside Flax's linen scan left tracers
+# of the lowering trace alive (jax.check_tracer_leaks fails Flax's own tabulate tests); the
+# losses and reversible stacks (vjp_primitive) are primitives on both versions.
+HIPRIM_SCAN = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11)
+
 
 def _symbolic_zero_types() -> tuple:
     from jax.custom_derivatives import SymbolicZero

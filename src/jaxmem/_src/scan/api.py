@@ -12,9 +12,10 @@ Data flow (see ``docs/design.md`` §2):
 4. Backward: a reverse :func:`jax.lax.scan` that rebuilds each step's residuals and applies the
    step's VJP; constant cotangents accumulate in its carry.
 
-The loop is bound as one ``jaxmem_scan`` primitive (:mod:`jaxmem._src.scan.primitive`) whose
-rules are steps 3-4 for reverse mode, ``lax.scan``'s JVP for forward mode, and a ``jaxmem_scan``
-of the vmapped step for batching.
+On jax 0.12 the loop is bound as one ``jaxmem_scan`` primitive
+(:mod:`jaxmem._src.scan.primitive`) whose rules are steps 3-4 for reverse mode, ``lax.scan``'s
+JVP for forward mode, and a ``jaxmem_scan`` of the vmapped step for batching; on jax 0.10.2 it is
+a custom VJP of steps 3-4 (``jax_compat.HIPRIM_SCAN``).
 """
 
 from __future__ import annotations
@@ -37,11 +38,16 @@ from jaxmem._src.scan.trace import _prepare
 
 
 class ForwardModeError(TypeError):
-    """Deprecated: no jaxmem function raises it any more (every one supports forward mode).
+    """Raised by :func:`jaxmem.scan` under forward-mode AD (``jax.jvp``, ``jax.jacfwd``) on jax
+    0.10.2 only, where it is a custom VJP (on jax 0.12 it is a primitive with forward mode)."""
 
-    Kept so that code written for earlier versions (``except jaxmem.ForwardModeError``) still
-    runs; a ``TypeError``.
-    """
+
+_FORWARD_MODE_MESSAGE = (
+    "jaxmem.scan supports reverse-mode differentiation only on jax 0.10.2 (jax.grad, jax.vjp, "
+    "jax.jacrev, jax.hessian): there it is a custom VJP, and JAX cannot apply forward-mode "
+    "autodiff (jax.jvp, jax.jacfwd, jax.linearize) to one. Use jax.lax.scan where you need "
+    "forward mode, or jax >= 0.12, where jaxmem.scan supports it."
+)
 
 
 def scan_residuals(f: Callable, init: Any, xs: Any = None, length: int | None = None, **kwargs):
@@ -194,10 +200,11 @@ def scan(
         not positive or a string other than ``"sqrt"`` (a ``TypeError`` for a non-integer),
         ``checkpoints`` with an ``offload`` other than ``"carries"``/``"all"``.
 
-    Every JAX transformation applies: forward mode (``jax.jvp``, ``jax.jacfwd``,
+    Every JAX transformation applies on jax 0.12: forward mode (``jax.jvp``, ``jax.jacfwd``,
     ``jax.linearize``) computes ``lax.scan``'s JVP; ``jax.vmap`` keeps the lean VJP; grad of
     grad works without ``checkpoints`` (the binomial schedule's backward loop has a dynamic trip
-    count, which JAX cannot differentiate).
+    count, which JAX cannot differentiate). On jax 0.10.2 the scan is a custom VJP: forward mode
+    raises :class:`ForwardModeError`.
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -228,7 +235,12 @@ def scan(
     checkpoints = _auto.resolve_checkpoints(opts.policy, opts.checkpoints)
     f = _opts.apply_policy(f, opts.policy, fname)
     config = _primitive.LoopConfig(fname, opts.recompute, opts.offload, opts.unroll, checkpoints)
-    return _primitive.run(f, init, xs, length, bool(reverse), config)
+    try:
+        return _primitive.run(f, init, xs, length, bool(reverse), config)
+    except TypeError as e:  # the custom VJP of jax 0.10.2 (jax_compat.HIPRIM_SCAN)
+        if "forward-mode" in str(e):
+            raise ForwardModeError(_FORWARD_MODE_MESSAGE) from e
+        raise
 
 
 def scanned(fn: Callable | None = None, *, recompute: str = "auto", **scan_kwargs):

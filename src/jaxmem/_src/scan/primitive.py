@@ -1,7 +1,8 @@
 """``jaxmem_scan``: one loop of :func:`jaxmem.scan` as a JAX primitive with every rule.
 
-A scan is bound as a hijax primitive (:data:`jaxmem._src.jax_compat.HiPrimitive`) whose rules
-are:
+On jax 0.12 (:data:`jaxmem._src.jax_compat.HIPRIM_SCAN`) a scan is bound as a hijax primitive
+(:data:`jaxmem._src.jax_compat.HiPrimitive`); on jax 0.10.2 it runs as the custom VJP of its
+rules (reverse mode only). The primitive's rules are:
 
 - evaluation and lowering: the plain loop (``jax.lax.scan`` of the step);
 - reverse mode: the lean VJP of :class:`~jaxmem._src.scan.lean._LeanScan` (or the binomial
@@ -71,8 +72,10 @@ def run(f, init, xs, length, reverse: bool, config: LoopConfig):
         rules = _CheckpointedScan(
             body, length, reverse, config.unroll, slots, config.offload, config.fname, spaces
         )
-    prim = JaxmemScan(rules, config, inputs)
-    final, ys = prim(*inputs)
+    if _jc.HIPRIM_SCAN:
+        final, ys = JaxmemScan(rules, config, inputs)(*inputs)
+    else:  # a custom VJP (jax 0.10.2): forward mode raises JAX's TypeError
+        final, ys = rules.run(*(list(g) for g in inputs))
     return tree_unflatten(body.carry_tree, final), tree_unflatten(body.y_tree, ys)
 
 
