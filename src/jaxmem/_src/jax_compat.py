@@ -349,6 +349,24 @@ def _symbolic_zero_types() -> tuple:
 SymbolicZeroTypes = _symbolic_zero_types()
 
 
+def is_symbolic_zero(t) -> bool:
+    """Whether ``t`` is a symbolic zero (internal ``ad.Zero`` or public ``SymbolicZero``)."""
+    return isinstance(t, SymbolicZeroTypes)
+
+
+def zero_tangent_value(aval):
+    """An array of zeros, the tangent of a primal of type ``aval``: its sharding and varying
+    manual axes kept; float0 for an integer or boolean primal."""
+    if jax.dtypes.issubdtype(aval.dtype, np.inexact):
+        return zeros(aval.to_tangent_aval())
+    return np.zeros(aval.shape, jax.dtypes.float0)
+
+
+def instantiate_tangent(primal, tangent):
+    """``tangent``, a symbolic zero made :func:`zero_tangent_value` of ``primal``'s type."""
+    return zero_tangent_value(jax.typeof(primal)) if is_symbolic_zero(tangent) else tangent
+
+
 def to_symbolic_zero(zero):
     """The public ``SymbolicZero`` for an internal ``ad.Zero`` (what jaxmem's VJP rules test)."""
     from jax.custom_derivatives import SymbolicZero

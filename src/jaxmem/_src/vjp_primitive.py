@@ -35,8 +35,6 @@ import functools
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from jaxmem._src import jax_compat as _jc
 
@@ -57,20 +55,6 @@ def custom_vjp(fun: Callable, *, fwd: Callable, bwd: Callable, name: str) -> Cal
     return call
 
 
-def _is_zero(t) -> bool:
-    return isinstance(t, _jc.SymbolicZeroTypes)
-
-
-def _instantiate(value, t):
-    """``t``, a symbolic zero made an array of zeros for ``value`` (float0 for an int value)."""
-    if not _is_zero(t):
-        return t
-    aval = jax.typeof(value)
-    if jnp.issubdtype(aval.dtype, jnp.inexact):
-        return _jc.zeros(aval.to_tangent_aval())
-    return np.zeros(aval.shape, jax.dtypes.float0)
-
-
 class _VJPPrimitive(_jc.HiPrimitive):
     def __init__(self, fun, fwd, bwd, name, args):
         self.in_avals = jax.tree.map(jax.typeof, tuple(args))
@@ -88,15 +72,17 @@ class _VJPPrimitive(_jc.HiPrimitive):
 
     def vjp_bwd_retval(self, res, ct):
         ct = jax.tree.map(
-            lambda a, c: _instantiate(jnp.zeros(a.shape, a.dtype), c) if _is_zero(c) else c,
+            lambda a, c: _jc.zero_tangent_value(a) if _jc.is_symbolic_zero(c) else c,
             self.out_aval,
             ct,
-            is_leaf=_is_zero,
+            is_leaf=_jc.is_symbolic_zero,
         )
         return tuple(self._bwd(res, ct))
 
     def jvp(self, primals, tangents):
-        tangents = jax.tree.map(_instantiate, primals, tangents, is_leaf=_is_zero)
+        tangents = jax.tree.map(
+            _jc.instantiate_tangent, primals, tangents, is_leaf=_jc.is_symbolic_zero
+        )
         return jax.jvp(self._fun, tuple(primals), tuple(tangents))
 
     lin, linearized = _jc.LINEARIZE_FROM_JVP

@@ -67,9 +67,9 @@ def _check_length(length: Any, fname: str) -> int:
     return int(length)
 
 
-def _check_scan_options(policy, offload, recompute, unroll, checkpoints, fname: str):
-    """The stack's policy (a preset name resolved), after checking every loop option."""
-    opts = ScanOptions.create(
+def _check_scan_options(policy, offload, recompute, unroll, checkpoints, fname: str) -> ScanOptions:
+    """Every loop option of a stack or scan, checked (a preset policy name resolved)."""
+    return ScanOptions.create(
         fname,
         policy=policy,
         offload=offload,
@@ -77,7 +77,6 @@ def _check_scan_options(policy, offload, recompute, unroll, checkpoints, fname: 
         unroll=unroll,
         checkpoints=checkpoints,
     )
-    return opts.policy
 
 
 # ------------------------------------------------------------------------------------------
@@ -342,7 +341,7 @@ def _linen_scan(
     fname,
 ):
     """The one implementation behind :func:`scan` and :func:`scan_layers`: checks, then lifts."""
-    policy = _check_scan_options(policy, offload, recompute, unroll, checkpoints, fname)
+    policy = _check_scan_options(policy, offload, recompute, unroll, checkpoints, fname).policy
     if split_transpose:
         raise NotImplementedError(_split_transpose_message(fname))
     if length is not None:

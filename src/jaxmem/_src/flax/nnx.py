@@ -269,14 +269,7 @@ def scan(
       True
     """
     fname = "jaxmem.flax.nnx.scan"
-    options = ScanOptions.create(
-        fname,
-        policy=policy,
-        offload=offload,
-        recompute=recompute,
-        unroll=unroll,
-        checkpoints=checkpoints,
-    )
+    options = _check_scan_options(policy, offload, recompute, unroll, checkpoints, fname)
     opts = dict(
         length=length,
         reverse=reverse,
@@ -394,7 +387,9 @@ class ScanLayers(nnx.Module):
         fname = "jaxmem.flax.nnx.ScanLayers"
         _check_make_block(make_block, fname)
         self.length = _check_length(length, fname)
-        self.policy = _check_scan_options(policy, offload, recompute, unroll, checkpoints, fname)
+        self.policy = _check_scan_options(
+            policy, offload, recompute, unroll, checkpoints, fname
+        ).policy
         self.offload = offload
         self.recompute = recompute
         self.checkpoints = checkpoints

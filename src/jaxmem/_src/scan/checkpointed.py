@@ -23,7 +23,6 @@ from jaxmem._src.scan.common import (
     _zeros_ct,
 )
 from jaxmem._src.scan.hooks import _tick
-from jaxmem._src.scan.lean import _values
 from jaxmem._src.scan.trace import _Body
 
 
@@ -75,9 +74,6 @@ class _CheckpointedScan:
         self.carry_avals = [v.aval for v in invars[n_c : n_c + n_k]]
         self.x_avals = [v.aval for v in invars[n_c + n_k :]]
         self.y_avals = [v.aval for v in _jc.open_jaxpr(body.jaxpr).outvars[n_k:]]
-        # The custom VJP where jaxmem.scan is not a primitive (jax_compat.HIPRIM_SCAN).
-        self.run = jax.custom_vjp(self._primal)
-        self.run.defvjp(self._fwd, self._bwd, symbolic_zeros=True)
 
     @functools.cached_property
     def traced(self):
@@ -96,7 +92,6 @@ class _CheckpointedScan:
         return _primal_scan(self, consts, init, xs)
 
     def _fwd(self, consts, init, xs):
-        consts, init, xs = _values((consts, init, xs))
         length, tables = self.length, self.tables
         snap_slot, snap_when = jnp.asarray(tables.snap_slot), jnp.asarray(tables.snap_when)
         # The checkpoint slots, each holding the initial carry (slot 0's for good).

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
+from jax.custom_derivatives import SymbolicZero
 from jax.tree_util import tree_unflatten
 
 from jaxmem._src import jax_compat as _jc
@@ -110,10 +110,6 @@ class _LeanScan:
         self.fname = fname
         # Memory spaces of the inputs: inputs in host memory get their cotangents there.
         self.spaces = spaces
-        # The custom VJP where jaxmem.scan is not a primitive (jax_compat.HIPRIM_SCAN); symbolic
-        # zeros: the backward pass learns which cotangents the loss makes zero.
-        self.run = jax.custom_vjp(self._primal)
-        self.run.defvjp(self._fwd, self._bwd, symbolic_zeros=True)
 
     @functools.cached_property
     def plan(self) -> _Plan:
@@ -147,7 +143,6 @@ class _LeanScan:
         return _primal_scan(self, consts, init, xs)
 
     def _fwd(self, consts, init, xs):
-        consts, init, xs = _values((consts, init, xs))
         plan = self.plan
         step_plan = plan.step
         n_carry, n_y = self.body.n_carry, len(step_plan.y_outvars)
@@ -298,16 +293,6 @@ class _LeanScan:
         (ct_init_f, ct_consts_f, _), ct_xs_f = self._scan(step, init_b, inputs, not self.reverse)
         values = (ct_consts_f, ct_init_f, ct_xs_f)
         return _input_cotangents(avals, live, values, self.length, self.spaces)
-
-
-def _values(tree):
-    """``tree`` with each ``CustomVJPPrimal(value, perturbed)`` leaf (what a custom VJP's fwd
-    gets with symbolic zeros) replaced by its value."""
-    return jax.tree.map(
-        lambda p: p.value if isinstance(p, CustomVJPPrimal) else p,
-        tree,
-        is_leaf=lambda p: isinstance(p, CustomVJPPrimal),
-    )
 
 
 def _stock_stacked_bytes(body: _Body, plan, length: int) -> int:

@@ -23,9 +23,12 @@ The primitive prints as ``jaxmem_scan[length=... reverse=... jaxpr=...]`` in a j
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
-import numpy as np
+from jax.custom_derivatives import CustomVJPPrimal
 from jax.tree_util import tree_unflatten
 
 from jaxmem._src import jax_compat as _jc
@@ -35,26 +38,15 @@ from jaxmem._src.scan.lean import _LeanScan
 from jaxmem._src.scan.trace import _prepare
 
 
+@dataclasses.dataclass(frozen=True)
 class LoopConfig:
     """The resolved options of one loop, shared by the loops its rules derive (hashable)."""
 
-    __slots__ = ("fname", "recompute", "offload", "unroll", "slots_arg")
-
-    def __init__(self, fname, recompute, offload, unroll, slots_arg):
-        self.fname = fname
-        self.recompute = recompute
-        self.offload = offload
-        self.unroll = unroll
-        self.slots_arg = slots_arg  # the checkpoints argument (None: the lean VJP)
-
-    def _key(self):
-        return (self.fname, self.recompute, self.offload, self.unroll, self.slots_arg)
-
-    def __hash__(self):
-        return hash(self._key())
-
-    def __eq__(self, other):
-        return isinstance(other, LoopConfig) and self._key() == other._key()
+    fname: str
+    recompute: str
+    offload: Any
+    unroll: int | bool
+    slots_arg: int | str | None  # the checkpoints argument (None: the lean VJP)
 
 
 def run(f, init, xs, length, reverse: bool, config: LoopConfig):
@@ -75,16 +67,32 @@ def run(f, init, xs, length, reverse: bool, config: LoopConfig):
     if _jc.HIPRIM_SCAN:
         final, ys = JaxmemScan(rules, config, inputs)(*inputs)
     else:  # a custom VJP (jax 0.10.2): forward mode raises JAX's TypeError
-        final, ys = rules.run(*(list(g) for g in inputs))
+        final, ys = _custom_vjp(rules)(*(list(g) for g in inputs))
     return tree_unflatten(body.carry_tree, final), tree_unflatten(body.y_tree, ys)
+
+
+def _custom_vjp(rules):
+    """The loop as a ``jax.custom_vjp`` of its rules (symbolic zeros: the backward pass learns
+    which cotangents the loss makes zero), where it is not a primitive."""
+
+    def fwd(*args):
+        values = jax.tree.map(
+            lambda p: p.value if isinstance(p, CustomVJPPrimal) else p,
+            args,
+            is_leaf=lambda p: isinstance(p, CustomVJPPrimal),
+        )
+        return rules._fwd(*values)
+
+    run = jax.custom_vjp(rules._primal)
+    run.defvjp(fwd, rules._bwd, symbolic_zeros=True)
+    return run
 
 
 def _is_float(aval) -> bool:
     return jnp.issubdtype(aval.dtype, jnp.inexact)
 
 
-def _is_zero(t) -> bool:
-    return isinstance(t, _jc.SymbolicZeroTypes)
+_is_zero = _jc.is_symbolic_zero
 
 
 class JaxmemScan(_jc.HiPrimitive):
@@ -214,17 +222,8 @@ def _depends(jaxpr, batched_in: list) -> list:
 
 def _stock_jvp(prim, primals, tangents):
     """The JVP of the plain loop (``jax.lax.scan`` of the step), symbolic zeros instantiated."""
-
-    def instantiate(p, t):
-        if not _is_zero(t):
-            return t
-        aval = jax.typeof(p)
-        if _is_float(aval):
-            return _jc.zeros(aval.to_tangent_aval())
-        return np.zeros(aval.shape, jax.dtypes.float0)
-
     tangents = tuple(
-        tuple(instantiate(p, t) for p, t in zip(pg, tg, strict=True))
+        tuple(_jc.instantiate_tangent(p, t) for p, t in zip(pg, tg, strict=True))
         for pg, tg in zip(primals, tangents, strict=True)
     )
     return jax.jvp(prim.expand, primals, tangents)
@@ -282,7 +281,7 @@ class _LinearizedScan(_jc.HiPrimitive):
         primals, tangents = (
             tuple(primals),
             tuple(
-                jax.tree.map(_instantiate_like, p, t, is_leaf=_is_zero)
+                jax.tree.map(_jc.instantiate_tangent, p, t, is_leaf=_is_zero)
                 for p, t in zip(primals, tangents, strict=True)
             ),
         )
@@ -311,15 +310,6 @@ class _LinearizedScan(_jc.HiPrimitive):
             self.expand, in_axes=tuple(dims), out_axes=out_dims, **_jc.vmap_axis_params(axis_data)
         )(*args)
         return out, out_dims
-
-
-def _instantiate_like(p, t):
-    if not _is_zero(t):
-        return t
-    aval = jax.typeof(p)
-    if _is_float(aval):
-        return _jc.zeros(aval.to_tangent_aval())
-    return np.zeros(aval.shape, jax.dtypes.float0)
 
 
 # Printed in jaxprs as jaxmem_scan[...] (jax 0.12 prints a hijax primitive by its class's name).
