@@ -17,6 +17,7 @@ import pytest
 from jax.test_util import check_grads
 
 import jaxmem
+import jaxmem.losses
 from jaxmem._src import jax_compat as jc
 
 T, B, D = 6, 3, 8
@@ -83,17 +84,10 @@ MODES = {
     "grad_of_grad": lambda f: jax.grad(lambda w: jnp.sum(jax.grad(f)(w, XS, H0) ** 2))(W),
 }
 
-# Reverse over reverse through the binomial schedule: its backward loop runs a while loop with a
-# dynamic trip count, which JAX cannot differentiate.
-NOT_SUPPORTED = {("checkpoints2", "grad_of_grad")}
 
-# An open defect of the custom VJP that jaxmem.scan is on jax 0.10.2: grad of a checkpoint
-# around vmap of a scan with checkpoints= fails to trace (a shape error, never a wrong value).
-OPEN_ON_0_10 = {("checkpoints2", "grad_of_checkpoint_of_vmap")}
-
-# Forward mode through the scan: on jax 0.10.2, where jaxmem.scan is a custom VJP
-# (jax_compat.HIPRIM_SCAN), these raise (ForwardModeError, JAX's own TypeError, or JAX's
-# NotImplementedError for grad of jvp), never a wrong derivative.
+# Forward mode through the scan: on jax 0.10.2 under jax.check_tracer_leaks, where jaxmem.scan
+# is a custom VJP (jax_compat.hiprim_usable), these raise (ForwardModeError, JAX's own TypeError,
+# or JAX's NotImplementedError for grad of jvp), never a wrong derivative.
 FORWARD = {
     "jvp",
     "jvp_one_argument",
@@ -126,18 +120,6 @@ def test_transformation_matches_lax_scan(option, mode):
     stock = _loss(jax.lax.scan, reverse=OPTIONS[option].get("reverse", False))
     ours = _loss(jaxmem.scan, **OPTIONS[option])
     want = MODES[mode](stock)
-    if (option, mode) in NOT_SUPPORTED:
-        with pytest.raises(ValueError, match="Reverse-mode differentiation does not work"):
-            MODES[mode](ours)
-        return
-    if (option, mode) in OPEN_ON_0_10 and not jc.HIPRIM_SCAN:
-        with pytest.raises(TypeError, match="incompatible shapes"):
-            MODES[mode](ours)
-        return
-    if mode in FORWARD and not jc.HIPRIM_SCAN:
-        with pytest.raises((TypeError, NotImplementedError)):
-            MODES[mode](ours)
-        return
     _close(MODES[mode](ours), want)
 
 
@@ -154,12 +136,7 @@ def test_check_grads_both_modes_order_2(option):
             h, ys = jaxmem.scan(step, h0, xs, **OPTIONS[option])
             return jnp.sum(h**2) + jnp.sum(jnp.cos(ys))
 
-        # Reverse over reverse only where JAX can (not through the binomial schedule's loop);
-        # forward mode where jaxmem.scan is a primitive.
-        modes = (["fwd"] if jc.HIPRIM_SCAN else []) + (["rev"] if option == "lean" else [])
-        if not modes:
-            return
-        check_grads(f, (w, xs, h0), order=2, modes=modes)
+        check_grads(f, (w, xs, h0), order=2, modes=["fwd", "rev"])
 
 
 # ------------------------------------------------------------------------------------------
@@ -180,8 +157,6 @@ VMAPS = {
 @pytest.mark.parametrize("case", list(VMAPS))
 @pytest.mark.parametrize("transform", ["value", "grad", "jvp"])
 def test_vmap_matches_lax_scan(case, transform):
-    if transform == "jvp" and not jc.HIPRIM_SCAN:
-        pytest.skip("forward mode: jaxmem.scan is a custom VJP on jax 0.10.2 (HIPRIM_SCAN)")
     in_axes, make = VMAPS[case]
     args = make()
 
@@ -213,7 +188,6 @@ def _temp(f, *args):
     return jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.skipif(not jc.HIPRIM_SCAN, reason="the primitive's JVP rule (jax >= 0.11)")
 def test_checkpoint_around_the_scan_keeps_the_lean_residuals():
     """jax.checkpoint around a jaxmem scan: the backward pass recomputes the scan and keeps its
     lean residuals (the temp of the plain gradient), where lax.scan keeps its own."""
@@ -237,7 +211,6 @@ def test_checkpoint_around_the_scan_keeps_the_lean_residuals():
 # The jaxpr: one readable primitive.
 
 
-@pytest.mark.skipif(not jc.HIPRIM_SCAN, reason="jaxmem.scan is a custom VJP on jax 0.10.2")
 def test_the_jaxpr_holds_one_jaxmem_scan_with_its_step():
     jaxpr = jax.make_jaxpr(_loss(jaxmem.scan, unroll=2))(W, XS, H0)
     eqns = [e for e in jc.open_jaxpr(jaxpr).eqns if e.primitive.name == "call_hi_primitive"]
@@ -256,3 +229,71 @@ def test_an_unused_scan_is_removed():
 
     lowered = jax.jit(f).lower(W, XS, H0).as_text()
     assert "while" not in lowered
+
+
+# ------------------------------------------------------------------------------------------
+# Under jax.check_tracer_leaks: jax 0.10.2's lowering of a hijax primitive reports its outputs
+# as leaked tracers there, so on 0.10.2 the scan and the losses bind as custom VJPs instead.
+
+
+@pytest.mark.parametrize("mode", ["grad", "grad_of_checkpoint", "jvp", "hessian"])
+def test_under_the_tracer_leak_check(mode):
+    stock, ours = _loss(jax.lax.scan), _loss(jaxmem.scan)
+    run = {"grad": lambda f: jax.grad(f, argnums=(0, 1, 2))(W, XS, H0), **MODES}[mode]
+    want = run(stock)
+    with jax.check_tracer_leaks(True):
+        # The scan's outputs feed later operations (the sum): what 0.10.2 reported as a leak.
+        assert jax.jit(ours).lower(W, XS, H0).compile() is not None
+        if mode in FORWARD and not jc.hiprim_usable():
+            with pytest.raises(jaxmem.ForwardModeError, match="check_tracer_leaks"):
+                run(ours)
+            return
+        got = run(ours)
+    _close(got, want)
+
+
+def test_losses_under_the_tracer_leak_check():
+    r = np.random.default_rng(3)
+    h = jnp.asarray(r.standard_normal((16, 8)), jnp.float32)
+    w = jnp.asarray(r.standard_normal((8, 32)) * 0.3, jnp.float32)
+    labels = jnp.asarray(r.integers(0, 32, 16))
+
+    def ours(h, w):
+        return jaxmem.losses.linear_cross_entropy(h, w, labels, chunk_size=8) * 1.0
+
+    def stock(h, w):
+        logits = h @ w
+        return jnp.mean(
+            jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, labels[:, None], -1)[:, 0]
+        )
+
+    with jax.check_tracer_leaks(True):
+        assert jc.hiprim_usable() == (jax.__version_info__ >= (0, 11))
+        got = jax.jit(jax.grad(ours, argnums=(0, 1)))(h, w)
+    assert jc.hiprim_usable()
+    _close(got, jax.grad(stock, argnums=(0, 1))(h, w))
+
+
+# ------------------------------------------------------------------------------------------
+# JAX's next implementations of jax.checkpoint and jax.custom_vjp (jax_remat3,
+# jax_custom_vjp3; off by default in 0.10.2 and 0.12): the same derivatives.
+
+
+@pytest.fixture
+def next_remat_and_custom_vjp():
+    before = {k: getattr(jax.config, k) for k in ("jax_remat3", "jax_custom_vjp3")}
+    for k in before:
+        jax.config.update(k, True)
+    yield
+    for k, v in before.items():
+        jax.config.update(k, v)
+
+
+@pytest.mark.parametrize(
+    "mode", ["jvp", "hessian", "grad_of_checkpoint", "vmap_of_grad_of_checkpoint", "grad_of_grad"]
+)
+@pytest.mark.parametrize("option", ["lean", "policy_dots", "checkpoints2"])
+def test_under_remat3_and_custom_vjp3(next_remat_and_custom_vjp, option, mode):
+    stock = _loss(jax.lax.scan)
+    ours = _loss(jaxmem.scan, **OPTIONS[option])
+    _close(MODES[mode](ours), MODES[mode](stock))

@@ -29,7 +29,6 @@ from hypothesis import strategies as st
 from test_scan import F32_RTOL, LOW_RTOL, assert_trees_close, layernorm
 
 import jaxmem
-from jaxmem._src.jax_compat import HIPRIM_SCAN
 
 T, S = 3, 3  # steps; the carry is a square [S, S] matrix, so transposes keep its shape.
 
@@ -185,9 +184,7 @@ def outputs_and_grads(prog: Program, scan):
 
     def f(w, h0, xs):
         out, vjp = jax.vjp(run, w, h0, xs)
-        tangent_out = None
-        if HIPRIM_SCAN:  # forward mode (jaxmem.scan is a custom VJP on jax 0.10.2)
-            _, tangent_out = jax.jvp(run, (w, h0, xs), cotangents((w, h0, xs)))
+        _, tangent_out = jax.jvp(run, (w, h0, xs), cotangents((w, h0, xs)))
         return out, vjp(cotangents(out)), tangent_out
 
     return f

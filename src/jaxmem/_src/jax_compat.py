@@ -330,11 +330,28 @@ from jax.experimental import hijax as _hijax  # noqa: E402
 # ``batch``) have the same signatures on both; ``dce`` and ``remat`` (not overridden) differ.
 HiPrimitive = getattr(_hijax, "HiPrim", None) or _hijax.VJPHiPrimitive
 
-# Whether jaxmem.scan is bound as the jaxmem_scan primitive (else a custom VJP, reverse mode
-# only). Not on jax 0.10.2: there, lowering the primitive inside Flax's linen scan left tracers
-# of the lowering trace alive (jax.check_tracer_leaks fails Flax's own tabulate tests); the
-# losses and reversible stacks (vjp_primitive) are primitives on both versions.
-HIPRIM_SCAN = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11)
+# jax 0.10.2's lowering of a hijax primitive (``partial_eval.lower_jaxpr``) checks for leaked
+# tracers while its own frame still holds the last lowered values (``maybe_invals`` and the
+# walrus ``t`` of its loop, reset in 0.11): under ``jax.check_tracer_leaks`` every primitive whose
+# output feeds a later operation is reported as a leak. A false report, but it fails the lowering.
+_LOWERING_REPORTS_LEAKS = tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 11)
+
+
+def hiprim_usable() -> bool:
+    """Whether jaxmem's loops and losses bind as hijax primitives in this trace.
+
+    Everywhere except on jax 0.10.2 with ``jax_check_tracer_leaks`` on (read when the function is
+    traced), where the lowering above fails: there they are ``jax.custom_vjp`` functions (the same
+    values and gradients; forward mode raises JAX's error).
+
+    Private: ``jax._src.config.check_tracer_leaks`` (the value of the flag or of the
+    ``jax.check_tracer_leaks`` context in effect; 0.10.2).
+    """
+    if not _LOWERING_REPORTS_LEAKS:
+        return True
+    from jax._src import config as _config
+
+    return not _config.check_tracer_leaks.value
 
 
 def _symbolic_zero_types() -> tuple:

@@ -12,10 +12,10 @@ Data flow (see ``docs/design.md`` §2):
 4. Backward: a reverse :func:`jax.lax.scan` that rebuilds each step's residuals and applies the
    step's VJP; constant cotangents accumulate in its carry.
 
-On jax 0.12 the loop is bound as one ``jaxmem_scan`` primitive
-(:mod:`jaxmem._src.scan.primitive`) whose rules are steps 3-4 for reverse mode, ``lax.scan``'s
-JVP for forward mode, and a ``jaxmem_scan`` of the vmapped step for batching; on jax 0.10.2 it is
-a custom VJP of steps 3-4 (``jax_compat.HIPRIM_SCAN``).
+The loop is bound as one ``jaxmem_scan`` primitive (:mod:`jaxmem._src.scan.primitive`) whose
+rules are steps 3-4 for reverse mode, ``lax.scan``'s JVP for forward mode, and a ``jaxmem_scan``
+of the vmapped step for batching; on jax 0.10.2 under ``jax.check_tracer_leaks`` it is a custom
+VJP of steps 3-4 (``jax_compat.hiprim_usable``).
 """
 
 from __future__ import annotations
@@ -38,15 +38,16 @@ from jaxmem._src.scan.trace import _prepare
 
 
 class ForwardModeError(TypeError):
-    """Raised by :func:`jaxmem.scan` under forward-mode AD (``jax.jvp``, ``jax.jacfwd``) on jax
-    0.10.2 only, where it is a custom VJP (on jax 0.12 it is a primitive with forward mode)."""
+    """Raised by :func:`jaxmem.scan` under forward-mode AD (``jax.jvp``, ``jax.jacfwd``) only on
+    jax 0.10.2 under ``jax.check_tracer_leaks``, where it is a custom VJP (everywhere else it is a
+    primitive with forward mode)."""
 
 
 _FORWARD_MODE_MESSAGE = (
-    "jaxmem.scan supports reverse-mode differentiation only on jax 0.10.2 (jax.grad, jax.vjp, "
-    "jax.jacrev, jax.hessian): there it is a custom VJP, and JAX cannot apply forward-mode "
-    "autodiff (jax.jvp, jax.jacfwd, jax.linearize) to one. Use jax.lax.scan where you need "
-    "forward mode, or jax >= 0.12, where jaxmem.scan supports it."
+    "jaxmem.scan supports reverse-mode differentiation only (jax.grad, jax.vjp, jax.jacrev, "
+    "jax.hessian) on jax 0.10.2 under jax.check_tracer_leaks: there it is a custom VJP (0.10.2 "
+    "reports its primitive as a leaked tracer), and JAX cannot apply forward-mode autodiff "
+    "(jax.jvp, jax.jacfwd, jax.linearize) to one. Turn the leak check off, or use jax >= 0.11."
 )
 
 
@@ -186,8 +187,8 @@ def scan(
         is ``k = ceil(sqrt(length))``. One step's activations are live at a time (its VJP is
         applied right after it is recomputed, under ``policy`` if given; ``recompute`` does not
         apply). :func:`scan_residuals` shows the schedule, :func:`step_counter` counts the steps
-        evaluated. The backward pass's inner loop has a dynamic trip count, so ``unroll``
-        applies to the forward sweep and the loop over steps, not to recomputation.
+        evaluated. ``unroll`` applies to the forward sweep and the loop over steps, not to
+        recomputation (a loop with a dynamic trip count).
 
     Returns:
       ``(final_carry, stacked_ys)``, as :func:`jax.lax.scan`.
@@ -200,11 +201,12 @@ def scan(
         not positive or a string other than ``"sqrt"`` (a ``TypeError`` for a non-integer),
         ``checkpoints`` with an ``offload`` other than ``"carries"``/``"all"``.
 
-    Every JAX transformation applies on jax 0.12: forward mode (``jax.jvp``, ``jax.jacfwd``,
+    Every JAX transformation applies: forward mode (``jax.jvp``, ``jax.jacfwd``,
     ``jax.linearize``) computes ``lax.scan``'s JVP; ``jax.vmap`` keeps the lean VJP; grad of
-    grad works without ``checkpoints`` (the binomial schedule's backward loop has a dynamic trip
-    count, which JAX cannot differentiate). On jax 0.10.2 the scan is a custom VJP: forward mode
-    raises :class:`ForwardModeError`.
+    grad differentiates the backward pass (with ``checkpoints``, its recomputation loops run
+    to the schedule's longest advance there, a static trip count). On jax 0.10.2 under
+    ``jax.check_tracer_leaks`` the scan is a custom VJP: forward mode raises
+    :class:`ForwardModeError`.
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -237,8 +239,10 @@ def scan(
     config = _primitive.LoopConfig(fname, opts.recompute, opts.offload, opts.unroll, checkpoints)
     try:
         return _primitive.run(f, init, xs, length, bool(reverse), config)
-    except TypeError as e:  # the custom VJP of jax 0.10.2 (jax_compat.HIPRIM_SCAN)
-        if "forward-mode" in str(e):
+    except (TypeError, NotImplementedError) as e:  # the custom VJP (jax_compat.hiprim_usable)
+        # JAX's TypeError names forward mode; with jax_custom_vjp3 it is a bare
+        # NotImplementedError, under a jvp the name stack shows.
+        if not _jc.hiprim_usable() and ("forward-mode" in str(e) or _jc.in_forward_mode()):
             raise ForwardModeError(_FORWARD_MODE_MESSAGE) from e
         raise
 

@@ -8,9 +8,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from jaxmem._src import jax_compat as _jc
+from jaxmem._src import vjp_primitive as _vjp_primitive
 from jaxmem._src.scan import residuals as _res
 from jaxmem._src.scan import schedule as _schedule
 from jaxmem._src.scan.common import (
@@ -42,6 +44,22 @@ def _store(bufs, carry, slot, write):
         _put(b, jax.lax.select(write, c, _index(b, at)), at)
         for b, c in zip(bufs, carry, strict=True)
     ]
+
+
+def _differentiable(fast, static):
+    """``fast``, reverse-differentiated as ``static`` (the same function): JAX cannot
+    reverse-differentiate a loop with a dynamic trip count, which the backward pass runs, and
+    grad of grad differentiates that backward pass. The first argument is an integer."""
+
+    def fwd(u, *args):
+        return fast(u, *args), (u, args)
+
+    def bwd(saved, ct):
+        u, args = saved
+        _, vjp = jax.vjp(lambda *a: static(u, *a), *args)
+        return (None, *vjp(ct))
+
+    return _vjp_primitive.custom_vjp(fast, fwd=fwd, bwd=bwd, name="checkpoint_advance")
 
 
 def _stack_of(aval, length: int):
@@ -163,22 +181,46 @@ class _CheckpointedScan:
             for i, d in zip(float_x, d_x, strict=True)
         ]
         restore_slot = jnp.asarray(tables.restore_slot)
-        restore_pos = jnp.asarray(tables.restore_pos)
-        snap_slot, snap_when = jnp.asarray(tables.snap_slot), jnp.asarray(tables.snap_when)
+        # The advance below is a primitive whose rules run later: it reads the schedule from
+        # NumPy (no array of this trace closed over).
+        table = lambda a, i: jnp.asarray(a)[i]
+
+        def advance_step(u, p, consts, xs, carry, bufs):
+            write = table(tables.snap_when, p) == u
+            bufs = _store(bufs, carry, table(tables.snap_slot, p), write)
+            carry, _ = self.body(consts, carry, self._x_at(xs, p))
+            return carry, bufs
+
+        def advance(u, consts, xs, carry, bufs):
+            """From the carry of step ``restore_pos[u]`` to step ``u``'s: a loop with a dynamic
+            trip count."""
+
+            def step(p, st):
+                _tick(p)
+                return advance_step(u, p, consts, xs, *st)
+
+            return jax.lax.fori_loop(table(tables.restore_pos, u), u, step, (carry, bufs))
+
+        def advance_static(u, consts, xs, carry, bufs):
+            """The same steps in a loop of the schedule's longest advance, the steps past ``u``
+            skipped: a static trip count, which JAX differentiates (grad of grad)."""
+
+            def step(i, st):
+                p = table(tables.restore_pos, u) + i
+                return jax.lax.cond(
+                    p < u, lambda st: advance_step(u, p, consts, xs, *st), lambda st: st, st
+                )
+
+            return jax.lax.fori_loop(0, longest, step, (carry, bufs))
+
+        longest = max(1, int((np.arange(length) - tables.restore_pos)[:-1].max(initial=0)))
+        advance = _differentiable(advance, advance_static)
 
         def back(state, u):
             ct_carry, acc, ct_xs, bufs = state
             slot = restore_slot[u]
             carry = [_index(b, slot) for b in bufs]
-
-            def advance(p, st):
-                carry, bufs = st
-                bufs = _store(bufs, carry, snap_slot[p], snap_when[p] == u)
-                _tick(p)
-                carry, _ = self.body(consts, carry, self._x_at(xs, p))
-                return carry, bufs
-
-            carry, bufs = jax.lax.fori_loop(restore_pos[u], u, advance, (carry, bufs))
+            carry, bufs = advance(u, list(consts), list(xs), carry, bufs)
             _tick(u)
             _, vjp_fn = jax.vjp(self.body, list(consts), carry, self._x_at(xs, u))
             d_consts, ct_carry, d_x = apply(vjp_fn, ct_carry, u)

@@ -1,8 +1,8 @@
 """``jaxmem_scan``: one loop of :func:`jaxmem.scan` as a JAX primitive with every rule.
 
-On jax 0.12 (:data:`jaxmem._src.jax_compat.HIPRIM_SCAN`) a scan is bound as a hijax primitive
-(:data:`jaxmem._src.jax_compat.HiPrimitive`); on jax 0.10.2 it runs as the custom VJP of its
-rules (reverse mode only). The primitive's rules are:
+A scan is bound as a hijax primitive (:data:`jaxmem._src.jax_compat.HiPrimitive`), except on
+jax 0.10.2 under ``jax.check_tracer_leaks`` (:func:`jaxmem._src.jax_compat.hiprim_usable`), where
+it runs as the custom VJP of its rules (reverse mode only). The primitive's rules are:
 
 - evaluation and lowering: the plain loop (``jax.lax.scan`` of the step);
 - reverse mode: the lean VJP of :class:`~jaxmem._src.scan.lean._LeanScan` (or the binomial
@@ -18,7 +18,8 @@ rules (reverse mode only). The primitive's rules are:
 - DCE and remat: the primitive's defaults (an unused scan is removed; ``jax.checkpoint`` around
   it recomputes it whole, as around ``jax.lax.scan`` with no policy).
 
-The primitive prints as ``jaxmem_scan[length=... reverse=... jaxpr=...]`` in a jaxpr (jax 0.12).
+The primitive prints as ``jaxmem_scan[length=... reverse=... jaxpr=...]`` in a jaxpr on jax 0.12
+(0.10.2 prints every hijax primitive as ``call_hi_primitive[_prim=JaxmemScan[...]]``).
 """
 
 from __future__ import annotations
@@ -64,9 +65,9 @@ def run(f, init, xs, length, reverse: bool, config: LoopConfig):
         rules = _CheckpointedScan(
             body, length, reverse, config.unroll, slots, config.offload, config.fname, spaces
         )
-    if _jc.HIPRIM_SCAN:
+    if _jc.hiprim_usable():
         final, ys = JaxmemScan(rules, config, inputs)(*inputs)
-    else:  # a custom VJP (jax 0.10.2): forward mode raises JAX's TypeError
+    else:  # a custom VJP (jax 0.10.2 checking leaks): forward mode raises JAX's TypeError
         final, ys = _custom_vjp(rules)(*(list(g) for g in inputs))
     return tree_unflatten(body.carry_tree, final), tree_unflatten(body.y_tree, ys)
 
