@@ -321,15 +321,24 @@ def test_scan_function_form_and_policy():
 
 
 def test_forward_mode_matches_nn_scan():
-    """jax.jvp and jax.jacfwd through the drop-in equal nn.scan's (the same parameters)."""
+    """Forward mode (jvp, linearize, jacfwd, hessian, vmap of jvp) and grad of grad through the
+    drop-in equal nn.scan's (the same parameters)."""
     h, xs = np.ones((2, 4), np.float32), np.linspace(-1, 1, L * 4, dtype=np.float32)
     xs = xs.reshape(L, 1, 4)
     kwargs = dict(variable_axes={"params": 0}, split_rngs={"params": True})
     ours, ref = jl.scan(Scanned, **kwargs)(), nn.scan(Scanned, **kwargs)()
     params = ours.init(jax.random.key(0), h, xs)
+    loss = lambda m: lambda p, h: jnp.sum(m.apply(p, h, xs)[0] ** 2)
     for transform in (
         lambda m: jax.jvp(lambda h: m.apply(params, h, xs), (h,), (h,)),
+        lambda m: jax.jvp(loss(m), (params, h), (params, h)),
+        lambda m: jax.linearize(loss(m), params, h)[1](params, h),
         lambda m: jax.jacfwd(lambda h: m.apply(params, h, xs)[0])(h),
+        lambda m: jax.hessian(loss(m), argnums=1)(params, h),
+        lambda m: jax.vmap(lambda t: jax.jvp(lambda h: loss(m)(params, h), (h,), (t,)))(
+            np.stack([h, 2 * h])
+        ),
+        lambda m: jax.grad(lambda p: jnp.sum(jax.grad(loss(m), argnums=1)(p, h) ** 2))(params),
     ):
         assert_parity(transform(ours), transform(ref), tol=1e-5)
 

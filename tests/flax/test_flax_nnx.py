@@ -253,7 +253,8 @@ def test_scan_traces_once_and_closes_over_tracers():
 
 
 def test_forward_mode_matches_nnx_scan():
-    """jax.jvp, jax.jacfwd and jax.hessian through the drop-in equal nnx.scan's."""
+    """Forward mode (jvp, linearize, jacfwd, hessian, vmap of jvp) and grad of grad through the
+    drop-in equal nnx.scan's."""
     xs = jnp.asarray(H[:4, :3])
 
     def f(scan_fn):
@@ -266,6 +267,9 @@ def test_forward_mode_matches_nnx_scan():
         lambda g: jax.jvp(g, (c,), (t,)),
         lambda g: jax.jacfwd(g)(c),
         lambda g: jax.hessian(g)(c),
+        lambda g: jax.linearize(g, c)[1](t),
+        lambda g: jax.vmap(lambda t: jax.jvp(g, (c,), (t,)))(jnp.stack([t, 2 * t])),
+        lambda g: jax.grad(lambda c: jnp.sum(jax.grad(g)(c) ** 2))(c),
     ):
         got, want = transform(f(jn.scan)), transform(f(nnx.scan))
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
