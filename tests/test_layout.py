@@ -25,6 +25,7 @@ LAYERS = {
     "reversible": 4,
     "profile": 4,
     "flax": 5,
+    "optimize": 5,
 }
 
 
@@ -184,5 +185,5 @@ def test_the_top_of_src_holds_leaves_and_one_package_per_concern():
     packages = sorted(
         p.name for p in (ROOT / "jaxmem" / "_src").iterdir() if (p / "__init__.py").is_file()
     )
-    assert packages == ["flax", "losses", "profile", "remat", "scan"]
+    assert packages == ["flax", "losses", "optimize", "profile", "remat", "scan"]
     assert len(top) < 12, top  # 24 flat modules before the subpackages

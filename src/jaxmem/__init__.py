@@ -17,6 +17,10 @@ from jaxmem._src.losses.autochunk import autochunk as autochunk
 from jaxmem._src.losses.chunking import chunked as chunked
 from jaxmem._src.losses.trainable import merge as merge
 from jaxmem._src.losses.trainable import trainable as trainable
+from jaxmem._src.optimize.api import Explanation as Explanation
+from jaxmem._src.optimize.api import Optimized as Optimized
+from jaxmem._src.optimize.api import ScanReport as ScanReport
+from jaxmem._src.optimize.api import optimize as optimize
 from jaxmem._src.profile.buffers import Buffer as Buffer
 from jaxmem._src.profile.buffers import BufferDumpError as BufferDumpError
 from jaxmem._src.profile.buffers import BufferGroup as BufferGroup
@@ -63,15 +67,18 @@ __all__ = [
     "ChunkedTail",
     "Comparison",
     "Coupling",
+    "Explanation",
     "ForwardModeError",
     "Frontier",
     "MemoryReport",
     "NAMES",
+    "Optimized",
     "Plan",
     "PlannedResidual",
     "ProfileError",
     "Residual",
     "ScanPlan",
+    "ScanReport",
     "StepCounter",
     "autochunk",
     "chunked",
@@ -82,6 +89,7 @@ __all__ = [
     "merge",
     "name",
     "offload",
+    "optimize",
     "plan",
     "policies",
     "profile",

@@ -474,3 +474,34 @@ def _grad_accum():
 # The accumulator a hijax transpose rule receives for each linear input (``accum(value)``);
 # private: ``jax._src.interpreters.ad.GradAccum`` (0.10.2 and 0.12).
 GradAccum = _grad_accum()
+
+
+# --- re-evaluating an equation (jaxmem.optimize) ---------------------------------------------
+
+
+def eqn_context(eqn):
+    """The context JAX evaluates ``eqn`` in (its source line and name stack, its own context
+    manager), as ``jax.core.eval_jaxpr`` does (0.10.2 and 0.12)."""
+    import contextlib
+
+    stack = contextlib.ExitStack()
+    name_stack = _siu.current_name_stack() + eqn.source_info.name_stack
+    stack.enter_context(_siu.user_context(eqn.source_info.traceback, name_stack=name_stack))
+    stack.enter_context(eqn.ctx.manager)
+    return stack
+
+
+def rebind_shard_map(eqn, body, invals):
+    """A ``shard_map`` equation applied to ``invals`` with ``body`` (a function of the per-shard
+    values) in place of its jaxpr: the same mesh, specs, ``check_vma`` and manual axes (the
+    parameters are the same in 0.10.2 and 0.12)."""
+    p = eqn.params
+    f = jax.shard_map(
+        lambda *a: tuple(body(*a)),
+        mesh=p["mesh"],
+        in_specs=p["in_specs"],
+        out_specs=p["out_specs"],
+        check_vma=p["check_vma"],
+        axis_names=set(p["newly_manual_axes"]),
+    )
+    return list(f(*invals))

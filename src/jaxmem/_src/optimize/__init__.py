@@ -1,0 +1,1 @@
+"""jaxmem.optimize: the lean scan for programs written with ``lax.scan``, unchanged."""

@@ -1,0 +1,234 @@
+""":func:`optimize`: jaxmem's lean scans for a program written with ``lax.scan`` (directly or
+through a library), with no change to its code."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxmem._src import checks
+from jaxmem._src import jax_compat as _jc
+from jaxmem._src.losses import autochunk as _autochunk
+from jaxmem._src.optimize import rewrite as _rw
+from jaxmem._src.scan import api as _scan_api
+from jaxmem._src.scan import options as _opts
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanReport:
+    """One scan of the program: where it was called, and what its gradient keeps.
+
+    Attributes:
+      source: ``file:line (function)`` of the scan call, as the jaxpr records it (a library's
+        line when a library made the scan).
+      length: the number of steps.
+      rewritten: whether it runs as :func:`jaxmem.scan`.
+      why: why it was left alone ("" when rewritten).
+      stock_bytes: what ``lax.scan`` keeps for its gradient (its stacked residuals), or None.
+      kept_bytes: what :func:`jaxmem.scan` keeps, or None.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import jaxmem
+      >>> def loss(w, xs):
+      ...     h, ys = jax.lax.scan(lambda h, x: (jnp.tanh(h @ w + x),) * 2, jnp.zeros(4), xs)
+      ...     return jnp.sum(ys)
+      >>> (scan,) = jaxmem.optimize(loss).explain(jnp.eye(4), jnp.ones((8, 4))).scans
+      >>> scan.rewritten, scan.length, scan.kept_bytes < scan.stock_bytes
+      (True, 8, True)
+    """
+
+    source: str
+    length: int
+    rewritten: bool
+    why: str = ""
+    stock_bytes: int | None = None
+    kept_bytes: int | None = None
+
+    def __str__(self) -> str:
+        if not self.rewritten:
+            return f"left alone: scan at {self.source}: {self.why}"
+        kept = ""
+        if self.stock_bytes is not None and self.kept_bytes is not None:
+            kept = f", kept {_mib(self.stock_bytes)} -> {_mib(self.kept_bytes)}"
+        return f"rewritten: scan of {self.length} steps at {self.source}{kept}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+    """What :func:`optimize` does to a function at given arguments (``optimize(f).explain``):
+    one :class:`ScanReport` per scan.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import jaxmem
+      >>> print(jaxmem.optimize(jnp.sin).explain(jnp.ones(3)))
+      no scan found: the function runs unchanged
+    """
+
+    scans: tuple[ScanReport, ...]
+
+    def __str__(self) -> str:
+        if not self.scans:
+            return "no scan found: the function runs unchanged"
+        return "\n".join(str(s) for s in self.scans)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+class Optimized:
+    """``fn`` with every reachable ``lax.scan`` run as :func:`jaxmem.scan` (:func:`optimize`).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import jaxmem
+      >>> cumsum = jaxmem.optimize(lambda xs: jax.lax.scan(lambda c, x: (c + x,) * 2, 0.0, xs)[1])
+      >>> cumsum(jnp.arange(4.0)).tolist()
+      [0.0, 1.0, 3.0, 6.0]
+    """
+
+    def __init__(self, fn: Callable, options: Callable, chunk_loss: bool):
+        self._fn = fn
+        self._options = options
+        self._chunk_loss = chunk_loss
+        functools.update_wrapper(self, fn)
+
+    def _traced(self, args, kwargs):
+        """The function's jaxpr at these arguments (static: every leaf that is not an array)."""
+        leaves, tree = jax.tree.flatten((args, kwargs))
+        dynamic = [_is_array(x) for x in leaves]
+        out_tree = []
+
+        def flat(*arrays):
+            it = iter(arrays)
+            full = [next(it) if d else x for x, d in zip(leaves, dynamic, strict=True)]
+            a, k = jax.tree.unflatten(tree, full)
+            out, t = jax.tree.flatten(self._fn(*a, **k))
+            out_tree.append(t)
+            return out
+
+        arrays = [x for x, d in zip(leaves, dynamic, strict=True) if d]
+        closed = jax.make_jaxpr(flat)(*arrays)
+        return closed, arrays, out_tree[-1]
+
+    def __call__(self, *args, **kwargs):
+        rewriter = _rw.Rewriter(self._options)
+        closed, arrays, out_tree = self._traced(args, kwargs)
+        run = lambda *a: rewriter.eval_closed(closed, a)
+        if self._chunk_loss:
+            run = _autochunk.autochunk(run)
+        return jax.tree.unflatten(out_tree, run(*arrays))
+
+    def explain(self, *args, **kwargs) -> Explanation:
+        """Each scan of the function at these arguments: rewritten (with the bytes its gradient
+        keeps, ``lax.scan``'s and jaxmem's) or left alone, and why."""
+        rewriter = _rw.Rewriter(self._options, rewrite=False)
+        closed, arrays, _ = self._traced(args, kwargs)
+        reports = []
+
+        def run(*a):
+            rewriter.eval_closed(closed, a)
+            for found in rewriter.found:
+                stock = kept = None
+                try:
+                    plan = _scan_api.scan_residuals(
+                        found.step,
+                        list(found.init),
+                        list(found.xs) if found.xs else None,
+                        length=found.length,
+                        **_plan_options(self._options(found)),
+                    )
+                    stock, kept = plan.stock_stacked_bytes, plan.stacked_bytes
+                except Exception:  # noqa: BLE001 - a listing only; the rewrite itself is tested
+                    pass
+                reports.append(ScanReport(found.source, found.length, True, "", stock, kept))
+            return []
+
+        jax.eval_shape(run, *arrays)
+        for source, why in _rw.left_alone(_jc.open_jaxpr(closed)):
+            reports.append(ScanReport(source, 0, False, why))
+        return Explanation(tuple(reports))
+
+
+def _plan_options(options: dict) -> dict:
+    return {k: v for k, v in options.items() if k in ("recompute", "policy", "offload")}
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic)) or isinstance(x, _jc.Tracer)
+
+
+def optimize(
+    fn: Callable | None = None,
+    *,
+    recompute: str = "auto",
+    policy: Any = None,
+    offload: Any = None,
+    checkpoints: Any = None,
+    chunk_loss: bool = False,
+    options: Callable | None = None,
+):
+    """``fn`` with every ``lax.scan`` it runs replaced by :func:`jaxmem.scan`, its code unchanged.
+
+    The function is traced to a jaxpr at each call and evaluated equation by equation; each
+    ``scan`` equation (``lax.scan``, ``lax.map``, a ``fori_loop`` with static bounds, and the scans
+    Flax's ``nn.scan`` / ``nnx.scan`` and Equinox stacks make) runs as :func:`jaxmem.scan` with its
+    own length, ``reverse`` and ``unroll``, the step evaluated the same way (nested scans, the
+    step's ``jax.checkpoint`` policy and checkpoint names kept). Scans inside ``jit`` (inlined),
+    ``jax.checkpoint``, ``cond`` branches and ``shard_map`` bodies are reached; those inside a
+    ``custom_vjp`` function (its own gradient), a ``custom_jvp`` function or a ``while_loop`` are
+    left alone. Apply it before differentiating: ``jax.grad(jaxmem.optimize(loss))``; it composes
+    with ``jax.jit``, ``jax.vmap`` and meshes. Array leaves of the arguments are traced; other
+    leaves (Python numbers, strings, flags) are static, as with ``equinox.filter_jit``.
+
+    Args:
+      fn: the function (usable as ``@jaxmem.optimize`` or ``@jaxmem.optimize(...)``).
+      recompute, policy, offload, checkpoints: :func:`jaxmem.scan`'s options, for every scan.
+      chunk_loss: also run :func:`jaxmem.autochunk` on the function (a scalar loss whose tail is
+        row-wise is computed in chunks).
+      options: ``options(scan) -> dict``, :func:`jaxmem.scan`'s options for one scan (it has
+        ``.source``, ``.length``, ``.reverse``, ``.init`` and ``.xs``), in place of the four above.
+
+    Returns:
+      An :class:`Optimized` function with ``fn``'s signature and ``.explain(*args, **kwargs)``.
+
+    Raises:
+      TypeError: ``fn`` not callable, or ``options`` given with any of the four options.
+      ValueError: a bad option (as :func:`jaxmem.scan` raises it).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import jaxmem
+      >>> def loss(w, xs):
+      ...     h, _ = jax.lax.scan(lambda h, x: (jnp.tanh(h @ w + x), None), jnp.zeros(4), xs)
+      ...     return jnp.sum(h**2)
+      >>> w, xs = jnp.eye(4) * 0.5, jnp.ones((8, 4))
+      >>> g = jax.grad(jaxmem.optimize(loss))(w, xs)
+      >>> bool(jnp.allclose(g, jax.grad(loss)(w, xs), rtol=1e-5))
+      True
+      >>> print(jaxmem.optimize(loss).explain(w, xs))  # doctest: +ELLIPSIS
+      rewritten: scan of 8 steps at ...
+    """
+    fname = "jaxmem.optimize"
+    given = dict(recompute=recompute, policy=policy, offload=offload, checkpoints=checkpoints)
+    if options is not None:
+        if any(v is not None for k, v in given.items() if k != "recompute") or recompute != "auto":
+            raise TypeError(
+                f"{fname}: pass either options= (a function of the scan) or recompute/policy/"
+                "offload/checkpoints, not both"
+            )
+        choose = options
+    else:
+        _opts.ScanOptions.create(fname, **given)  # checked once, here
+        choose = lambda found: dict(given)
+    if fn is None:
+        return lambda f: optimize(f, chunk_loss=chunk_loss, options=choose)
+    checks.check_callable(fn, "fn", fname)
+    return Optimized(fn, choose, chunk_loss)

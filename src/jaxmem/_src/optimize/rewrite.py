@@ -1,0 +1,164 @@
+"""The rewrite behind :func:`jaxmem.optimize`: a jaxpr evaluated equation by equation, each
+``scan`` run as :func:`jaxmem.scan`.
+
+The evaluator walks into the equations that hold a jaxpr a scan may sit in and re-emits them
+with the same meaning: a call (``jit``) is inlined, ``jax.checkpoint`` (``remat2``) is applied
+again with its ``policy`` and ``prevent_cse``, ``cond`` becomes ``lax.switch`` over its branches,
+``shard_map`` is applied again with its mesh and specs. Everything else is bound as it is: a
+``custom_vjp`` function (the user's own gradient), a ``custom_jvp`` function, a ``while`` loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import jax
+
+from jaxmem._src import jax_compat as _jc
+from jaxmem._src.scan import api as _scan_api
+
+
+@dataclasses.dataclass
+class Found:
+    """One ``scan`` equation the evaluator met: rewritten, or left alone and why."""
+
+    source: str  # "file:line (function)" of the scan call, as the jaxpr records it
+    length: int
+    reverse: bool
+    rewritten: bool
+    why: str = ""  # why it was left alone
+    step: Callable | None = None  # the step, re-evaluated (for explain)
+    init: tuple = ()
+    xs: tuple = ()
+
+
+@dataclasses.dataclass
+class Rewriter:
+    """Evaluates jaxprs with every reachable ``scan`` run as :func:`jaxmem.scan`.
+
+    ``options(found) -> dict`` gives the keyword arguments of :func:`jaxmem.scan` for one scan
+    (``recompute``, ``policy``, ``offload``, ``checkpoints``). ``found`` collects every scan met.
+    """
+
+    options: Callable[[Found], dict]
+    found: list[Found] = dataclasses.field(default_factory=list)
+    rewrite: bool = True
+
+    def eval_closed(self, closed, args: Sequence) -> list:
+        """Evaluates a closed jaxpr (0.10 ``ClosedJaxpr``, 0.12 ``Jaxpr``) on ``args``."""
+        return self.eval(_jc.open_jaxpr(closed), _jc.jaxpr_consts(closed), args)
+
+    def eval(self, jaxpr, consts: Sequence, args: Sequence) -> list:
+        env: dict = {}
+
+        def read(v):
+            return v.val if not _jc.is_var(v) else env[v]
+
+        for v, x in zip([*jaxpr.constvars, *jaxpr.invars], [*consts, *args], strict=True):
+            env[v] = x
+        for eqn in jaxpr.eqns:
+            invals = [read(v) for v in eqn.invars]
+            with _jc.eqn_context(eqn):
+                outs = self._eqn(eqn, invals)
+            for v, x in zip(eqn.outvars, outs, strict=True):
+                if not _jc.is_drop_var(v):
+                    env[v] = x
+        return [read(v) for v in jaxpr.outvars]
+
+    def _sub(self, jaxpr_like) -> Callable:
+        """A function evaluating ``jaxpr_like`` (open or closed) with this rewriter."""
+        if _jc.is_closed_jaxpr(jaxpr_like):
+            return lambda *a: self.eval_closed(jaxpr_like, a)
+        return lambda *a: self.eval(jaxpr_like, [], a)
+
+    def _eqn(self, eqn, invals: list) -> list:
+        name = eqn.primitive.name
+        params = eqn.params
+        if name == "scan":
+            return self._scan(eqn, invals)
+        if name in _jc.CALL_PRIMITIVES:
+            body = next(p for p in params.values() if _jc.is_jaxpr(p))
+            return self._sub(body)(*invals)
+        if name == "remat2":
+            f = jax.checkpoint(
+                self._sub(params["jaxpr"]),
+                prevent_cse=params["prevent_cse"],
+                policy=params["policy"],
+            )
+            return list(f(*invals))
+        if name == "cond":
+            index, *ops = invals
+            branches = [lambda *a, b=b: tuple(self._sub(b)(*a)) for b in params["branches"]]
+            return list(jax.lax.switch(index, branches, *ops))
+        if name == "shard_map":
+            return _jc.rebind_shard_map(eqn, self._sub(params["jaxpr"]), invals)
+        return _bind(eqn, invals)
+
+    def _scan(self, eqn, invals: list) -> list:
+        params = eqn.params
+        n_consts, n_carry = _jc.scan_counts(eqn)
+        consts, init, xs = (
+            invals[:n_consts],
+            invals[n_consts : n_consts + n_carry],
+            invals[n_consts + n_carry :],
+        )
+        body = self._sub(params["jaxpr"])
+
+        def step(carry, x):
+            outs = body(*consts, *carry, *(x or ()))
+            return list(outs[:n_carry]), list(outs[n_carry:])
+
+        found = Found(
+            source=_jc.summarize_source(eqn.source_info),
+            length=params["length"],
+            reverse=bool(params["reverse"]),
+            rewritten=self.rewrite,
+            step=step,
+            init=tuple(init),
+            xs=tuple(xs),
+        )
+        self.found.append(found)
+        if not self.rewrite:
+            return _bind(eqn, invals)
+        carry, ys = _scan_api.scan(
+            step,
+            list(init),
+            list(xs) if xs else None,
+            length=params["length"],
+            reverse=bool(params["reverse"]),
+            unroll=params["unroll"],
+            **self.options(found),
+        )
+        return [*carry, *ys]
+
+
+def _bind(eqn, invals: list) -> list:
+    """The equation applied to ``invals`` as it is (JAX's own evaluation of it)."""
+    out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def left_alone(jaxpr) -> list[tuple[str, str]]:
+    """``(source, why)`` of every scan under an equation the rewrite does not enter."""
+    out = []
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name in ("scan", "remat2", "cond", "shard_map") or name in _jc.CALL_PRIMITIVES:
+            for sub in _jc.subjaxprs(eqn):
+                out += left_alone(sub)
+            continue
+        for sub in _jc.subjaxprs(eqn):
+            for source in _scans(sub):
+                out.append((source, f"inside {name} (left as it is)"))
+    return out
+
+
+def _scans(jaxpr) -> list[str]:
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            out.append(_jc.summarize_source(eqn.source_info))
+        for sub in _jc.subjaxprs(eqn):
+            out += _scans(sub)
+    return out

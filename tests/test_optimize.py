@@ -1,0 +1,305 @@
+"""``jaxmem.optimize``: unmodified programs, their scans run as ``jaxmem.scan``.
+
+Each case is a loss written without jaxmem (plain JAX, Flax linen and NNX, Equinox): the
+gradient of ``optimize(loss)`` equals the loss's own (f32, 1e-5 of the largest), its compiled
+temp is at most the explicit jaxmem version's x 1.02 + 16 KiB where one exists and never above
+stock, and ``explain`` lists every scan.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxmem
+
+KIB16 = 16 * 1024
+R = np.random.default_rng(0)
+
+
+def f32(*shape, scale=1.0):
+    return jnp.asarray(R.standard_normal(shape) * scale, jnp.float32)
+
+
+def temp(f, *args):
+    return jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def close(a, b, tol=1e-5):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        np.testing.assert_allclose(x, y, rtol=tol, atol=tol * max(1.0, np.abs(y).max()))
+
+
+def check(loss, args, explicit=None, below=None, scans=1):
+    """Gradients equal; temp <= explicit x 1.02 + 16 KiB and <= stock (<= below x stock)."""
+    opt = jaxmem.optimize(loss)
+    argnums = tuple(range(len(args)))
+    want = jax.grad(loss, argnums)(*args)
+    close(jax.grad(opt, argnums)(*args), want)  # un-jitted
+    close(jax.jit(jax.grad(opt, argnums))(*args), want)
+    stock, ours = temp(jax.grad(loss, argnums), *args), temp(jax.grad(opt, argnums), *args)
+    assert ours <= stock, (ours, stock)
+    if explicit is not None:
+        assert ours <= 1.02 * temp(jax.grad(explicit, argnums), *args) + KIB16
+    if below is not None:
+        assert ours <= below * stock, (ours, stock)
+    report = opt.explain(*args)
+    assert sum(s.rewritten for s in report.scans) == scans, str(report)
+    return report
+
+
+# ------------------------------------------------------------------------------------------
+# Plain JAX.
+
+T, B, D = 24, 16, 64
+W, U, XS, H0 = f32(D, D, scale=0.2), f32(D, D, scale=0.2), f32(T, B, D), f32(B, D)
+
+
+def rnn(scan):
+    def loss(w, xs, h0):
+        h, ys = scan(lambda h, x: (jnp.tanh(h @ w + x),) * 2, h0, xs)
+        return jnp.sum(h**2) + jnp.sum(jnp.sin(ys))
+
+    return loss
+
+
+def test_plain_rnn():
+    report = check(rnn(jax.lax.scan), (W, XS, H0), explicit=rnn(jaxmem.scan), below=0.7)
+    (scan,) = report.scans
+    assert scan.length == T and "test_optimize.py" in scan.source
+    assert scan.kept_bytes < scan.stock_bytes
+
+
+def block(p, h):
+    """A pre-LN MLP block with a residual (a transformer's MLP half)."""
+    x = (h - h.mean(-1, keepdims=True)) / (h.std(-1, keepdims=True) + 1e-5)
+    return h + jax.nn.gelu(x @ p["w1"]) @ p["w2"]
+
+
+PARAMS = {"w1": f32(4, D, 2 * D, scale=0.1), "w2": f32(4, 2 * D, D, scale=0.1)}
+
+
+def stack(scan, step_wrap=lambda f: f):
+    def loss(params, h):
+        @jax.jit
+        def run(params, h):
+            step = step_wrap(lambda h, p: (block(p, h), None))
+            return scan(step, h, params)[0]
+
+        return jnp.sum(run(params, h) ** 2)
+
+    return loss
+
+
+def test_stack_in_a_nested_jit():
+    check(stack(jax.lax.scan), (PARAMS, H0), explicit=stack(jaxmem.scan))
+
+
+def test_step_under_checkpoint_dots():
+    wrap = functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.dots_saveable)
+    check(stack(jax.lax.scan, wrap), (PARAMS, H0), explicit=stack(jaxmem.scan, wrap))
+
+
+def test_scan_inside_checkpoint_and_cond():
+    def loss(w, xs, h0):
+        inner = jax.checkpoint(rnn(jax.lax.scan))
+        return jax.lax.cond(
+            jnp.sum(h0) > -1e9, lambda: inner(w, xs, h0), lambda: rnn(jax.lax.scan)(w, xs, -h0)
+        )
+
+    check(loss, (W, XS, H0), scans=2)
+
+
+def test_nested_scans_reverse_and_no_xs():
+    def loss(w, xs, h0):
+        def outer(h, x):
+            inner, _ = jax.lax.scan(lambda c, _: (jnp.tanh(c @ w + x), None), h, None, length=3)
+            return inner, jnp.sum(inner)
+
+        h, ys = jax.lax.scan(outer, h0, xs, reverse=True)
+        return jnp.sum(h**2) + jnp.sum(ys)
+
+    check(loss, (W, XS[:6], H0), scans=2)
+
+
+def test_fori_loop_and_map():
+    def loss(w, xs, h0):
+        h = jax.lax.fori_loop(0, 5, lambda i, h: jnp.tanh(h @ w + xs[i]), h0)
+        return jnp.sum(h**2) + jnp.sum(jax.lax.map(lambda x: jnp.sin(x @ w), xs[:4]))
+
+    check(loss, (W, XS, H0), scans=2)
+
+
+def test_scan_inside_shard_map():
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((len(jax.devices()),), ("data",), (jax.sharding.AxisType.Auto,))
+    n = len(jax.devices())
+
+    def loss(w, xs, h0):
+        f = jax.shard_map(
+            lambda w, xs, h0: jax.lax.psum(rnn(jax.lax.scan)(w, xs, h0), "data"),
+            mesh=mesh,
+            in_specs=(P(), P(None, "data"), P("data")),
+            out_specs=P(),
+        )
+        return f(w, xs, h0)
+
+    check(loss, (W, XS[:, : 8 * n], H0[: 8 * n]))
+
+
+def test_custom_vjp_is_left_alone():
+    @jax.custom_vjp
+    def mine(w, xs, h0):
+        return rnn(jax.lax.scan)(w, xs, h0)
+
+    mine.defvjp(lambda *a: (mine(*a), a), lambda a, g: tuple(0.5 * x for x in a))
+    loss = lambda w, xs, h0: mine(w, xs, h0) + rnn(jax.lax.scan)(w, xs, h0)
+    report = check(loss, (W, XS, H0), scans=1)
+    alone = [s for s in report.scans if not s.rewritten]
+    assert len(alone) == 1 and "custom_vjp" in alone[0].why
+
+
+def test_no_scan_runs_unchanged_and_keywords():
+    loss = lambda w, *, scale=2.0: jnp.sum(jnp.sin(w) * scale)
+    opt = jaxmem.optimize(loss)
+    assert str(opt.explain(W)) == "no scan found: the function runs unchanged"
+    close(jax.grad(opt)(W, scale=3.0), jax.grad(loss)(W, scale=3.0))
+
+
+def test_forward_mode_and_vmap():
+    loss = rnn(jax.lax.scan)
+    opt = jaxmem.optimize(loss)
+    close(jax.jvp(opt, (W, XS, H0), (U, XS, H0)), jax.jvp(loss, (W, XS, H0), (U, XS, H0)))
+    ws = jnp.stack([W, 0.5 * W])
+    f = lambda g: jax.vmap(jax.grad(g), in_axes=(0, None, None))(ws, XS, H0)
+    close(f(opt), f(loss))
+
+
+def test_options_and_errors():
+    opt = jaxmem.optimize(rnn(jax.lax.scan), checkpoints=4)
+    close(jax.grad(opt)(W, XS, H0), jax.grad(rnn(jax.lax.scan))(W, XS, H0))
+    seen = []
+    per_scan = jaxmem.optimize(
+        rnn(jax.lax.scan), options=lambda s: seen.append(s.length) or {"recompute": "none"}
+    )
+    close(jax.grad(per_scan)(W, XS, H0), jax.grad(rnn(jax.lax.scan))(W, XS, H0))
+    assert seen == [T]
+    with pytest.raises(ValueError, match="jaxmem.optimize"):
+        jaxmem.optimize(rnn(jax.lax.scan), recompute="bogus")
+    with pytest.raises(TypeError, match="not both"):
+        jaxmem.optimize(rnn(jax.lax.scan), policy="dots", options=lambda s: {})
+    with pytest.raises(TypeError, match="jaxmem.optimize"):
+        jaxmem.optimize(3)
+
+    @jaxmem.optimize(recompute="cheap")
+    def decorated(w, xs, h0):
+        return rnn(jax.lax.scan)(w, xs, h0)
+
+    close(jax.grad(decorated)(W, XS, H0), jax.grad(rnn(jax.lax.scan))(W, XS, H0))
+
+
+# ------------------------------------------------------------------------------------------
+# Flax linen and NNX, Equinox: their own scans.
+
+
+def test_flax_linen_scan_and_remat_scan():
+    nn = pytest.importorskip("flax.linen")
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, h, _):
+            return h + nn.Dense(D)(jax.nn.gelu(nn.Dense(2 * D)(nn.LayerNorm()(h)))), None
+
+    class Stack(nn.Module):
+        scan: object
+
+        @nn.compact
+        def __call__(self, h):
+            f = self.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=4)
+            return f()(h, None)[0]
+
+    params = Stack(nn.scan).init(jax.random.key(0), H0)
+    loss = lambda p, h: jnp.sum(Stack(nn.scan).apply(p, h) ** 2)
+    explicit = lambda p, h: jnp.sum(Stack(jaxmem.flax.linen.scan).apply(p, h) ** 2)
+    check(loss, (params, H0), explicit=explicit)
+
+    class Layer(nn.Module):
+        @nn.compact
+        def __call__(self, h):
+            return Block()(h, None)[0]
+
+    class Remat(nn.Module):
+        @nn.compact
+        def __call__(self, h):
+            return nn.remat_scan(Layer, lengths=(2, 2))()(h)
+
+    params = Remat().init(jax.random.key(0), H0)
+    check(lambda p, h: jnp.sum(Remat().apply(p, h) ** 2), (params, H0), scans=2)
+
+
+def test_flax_nnx_scan():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.ln = nnx.LayerNorm(D, rngs=rngs)
+            self.up = nnx.Linear(D, 2 * D, rngs=rngs)
+            self.down = nnx.Linear(2 * D, D, rngs=rngs)
+
+        def __call__(self, h):
+            return h + self.down(jax.nn.gelu(self.up(self.ln(h))))
+
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def make(key):
+        return Block(nnx.Rngs(key))
+
+    blocks = make(jax.random.split(jax.random.key(0), 4))
+    graphdef, state = nnx.split(blocks)
+
+    def loss(state, h):
+        blocks = nnx.merge(graphdef, state)
+
+        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+        def run(block, h):
+            return block(h)
+
+        return jnp.sum(run(blocks, h) ** 2)
+
+    check(loss, (state, H0))
+
+
+def test_equinox_mlp_stack():
+    eqx = pytest.importorskip("equinox")
+    for activation in (jax.nn.relu, jax.nn.gelu):
+        keys = jax.random.split(jax.random.key(0), 4)
+        mlps = eqx.filter_vmap(
+            lambda k, a=activation: eqx.nn.MLP(D, D, 2 * D, 1, activation=a, key=k)
+        )(keys)
+        params, static = eqx.partition(mlps, eqx.is_array)
+        loss = functools.partial(_eqx_loss, eqx, static, jax.lax.scan)
+        check(loss, (params, H0), explicit=functools.partial(_eqx_loss, eqx, static, jaxmem.scan))
+
+
+def _eqx_loss(eqx, static, scan, params, h):
+    """An Equinox MLP stack the way Equinox's users scan one: filter_vmap-made layers,
+    partitioned, recombined in the step."""
+
+    def step(h, p):
+        return h + jax.vmap(eqx.combine(p, static))(h), None
+
+    return jnp.sum(scan(step, h, params)[0] ** 2)
+
+
+# ------------------------------------------------------------------------------------------
+# Package layout: the public name.
+
+
+def test_public_face():
+    assert jaxmem.optimize.__module__.startswith("jaxmem._src.optimize")
+    assert {"optimize", "Optimized", "Explanation", "ScanReport"} <= set(jaxmem.__all__)
