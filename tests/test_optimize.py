@@ -303,3 +303,25 @@ def _eqx_loss(eqx, static, scan, params, h):
 def test_public_face():
     assert jaxmem.optimize.__module__.startswith("jaxmem._src.optimize")
     assert {"optimize", "Optimized", "Explanation", "ScanReport"} <= set(jaxmem.__all__)
+
+
+def test_chunk_loss_runs_autochunk_on_the_tail():
+    """A naive LM-head cross-entropy after a scanned stack: with chunk_loss=True the [N, V]
+    logits are never whole (autochunk), the gradient unchanged."""
+    n, v = 512, 16384  # 32 MiB of logits
+    head = f32(D, v, scale=0.1)
+    labels = jnp.asarray(R.integers(0, v, n))
+    xs = f32(4, n, D)
+
+    def loss(w, head, xs):
+        h, _ = jax.lax.scan(lambda h, x: (jnp.tanh(h @ w + x), None), jnp.zeros((n, D)), xs)
+        logits = h @ head
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        return jnp.mean(lse - jnp.take_along_axis(logits, labels[:, None], -1)[:, 0])
+
+    args = (W, head, xs)
+    opt = jaxmem.optimize(loss, chunk_loss=True)
+    close(jax.grad(opt, (0, 1))(*args), jax.grad(loss, (0, 1))(*args))
+    plain = temp(jax.grad(jaxmem.optimize(loss), (0, 1)), *args)
+    chunked = temp(jax.grad(opt, (0, 1)), *args)
+    assert chunked < 0.5 * plain, (chunked, plain)
