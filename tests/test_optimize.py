@@ -227,7 +227,10 @@ def test_flax_linen_scan_and_remat_scan():
     params = Stack(nn.scan).init(jax.random.key(0), H0)
     loss = lambda p, h: jnp.sum(Stack(nn.scan).apply(p, h) ** 2)
     explicit = lambda p, h: jnp.sum(Stack(jaxmem.flax.linen.scan).apply(p, h) ** 2)
-    check(loss, (params, H0), explicit=explicit)
+    (scan,) = check(loss, (params, H0), explicit=explicit).scans
+    # The scan is Flax's; the report also names the user's line that led to it.
+    assert "flax" in scan.source and "test_optimize.py" in scan.called_from
+    assert "called from" in str(scan)
 
     class Layer(nn.Module):
         @nn.compact

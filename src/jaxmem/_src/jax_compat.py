@@ -264,6 +264,17 @@ def user_frame(source_info):
     return source_info_util.user_frame(source_info.traceback)
 
 
+def user_frames(source_info) -> list:
+    """The user frames of an equation's traceback, innermost first (JAX's own filtered out):
+    each with ``file_name``, ``start_line``, ``function_name``.
+
+    Private: ``jax._src.source_info_util.user_frames`` (same in 0.10 and 0.12).
+    """
+    from jax._src import source_info_util
+
+    return list(source_info_util.user_frames(source_info.traceback))
+
+
 def trace_state_clean() -> bool:
     """Whether no transformation is being traced (eager, outside jit/grad/vmap).
 

@@ -29,6 +29,8 @@ class ScanReport:
       length: the number of steps.
       rewritten: whether it runs as :func:`jaxmem.scan`.
       why: why it was left alone ("" when rewritten).
+      called_from: the line outside installed packages that led to the scan (the user's call
+        of ``nn.scan`` say), when it differs from ``source``; else "".
       stock_bytes: what ``lax.scan`` keeps for its gradient (its stacked residuals), or None.
       kept_bytes: what :func:`jaxmem.scan` keeps, or None.
 
@@ -47,6 +49,7 @@ class ScanReport:
     length: int
     rewritten: bool
     why: str = ""
+    called_from: str = ""
     stock_bytes: int | None = None
     kept_bytes: int | None = None
 
@@ -56,7 +59,8 @@ class ScanReport:
         kept = ""
         if self.stock_bytes is not None and self.kept_bytes is not None:
             kept = f", kept {_mib(self.stock_bytes)} -> {_mib(self.kept_bytes)}"
-        return f"rewritten: scan of {self.length} steps at {self.source}{kept}"
+        via = f", called from {self.called_from}" if self.called_from else ""
+        return f"rewritten: scan of {self.length} steps at {self.source}{via}{kept}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +152,9 @@ class Optimized:
                     stock, kept = plan.stock_stacked_bytes, plan.stacked_bytes
                 except Exception:  # noqa: BLE001 - a listing only; the rewrite itself is tested
                     pass
-                reports.append(ScanReport(found.source, found.length, True, "", stock, kept))
+                reports.append(
+                    ScanReport(found.source, found.length, True, "", found.called_from, stock, kept)
+                )
             return []
 
         jax.eval_shape(run, *arrays)

@@ -11,6 +11,7 @@ again with its ``policy`` and ``prevent_cse``, ``cond`` becomes ``lax.switch`` o
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 from collections.abc import Callable, Sequence
 
 import jax
@@ -24,6 +25,7 @@ class Found:
     """One ``scan`` equation the evaluator met: rewritten, or left alone and why."""
 
     source: str  # "file:line (function)" of the scan call, as the jaxpr records it
+    called_from: str  # the innermost frame outside installed packages, when not ``source``
     length: int
     reverse: bool
     rewritten: bool
@@ -110,7 +112,7 @@ class Rewriter:
             return list(outs[:n_carry]), list(outs[n_carry:])
 
         found = Found(
-            source=_jc.summarize_source(eqn.source_info),
+            *_sources(eqn.source_info),
             length=params["length"],
             reverse=bool(params["reverse"]),
             rewritten=self.rewrite,
@@ -131,6 +133,25 @@ class Rewriter:
             **self.options(found),
         )
         return [*carry, *ys]
+
+
+def _sources(source_info) -> tuple[str, str]:
+    """The scan call's line, and the line outside installed packages (a library's: Flax's,
+    Equinox's) that led to it when they differ."""
+    source = _jc.summarize_source(source_info)
+    frames = _jc.user_frames(source_info)
+    caller = next((f for f in frames if not _in_a_package(f.file_name)), None)
+    if caller is None or (frames and caller is frames[0]):
+        return source, ""
+    return source, f"{caller.file_name}:{caller.start_line} ({caller.function_name})"
+
+
+_JAXMEM = str(pathlib.Path(__file__).resolve().parents[2])  # the jaxmem package's folder
+
+
+def _in_a_package(path: str) -> bool:
+    parts = pathlib.PurePath(path).parts
+    return "site-packages" in parts or "dist-packages" in parts or path.startswith(_JAXMEM)
 
 
 def _bind(eqn, invals: list) -> list:
