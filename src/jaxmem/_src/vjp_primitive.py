@@ -52,7 +52,7 @@ def custom_vjp(fun: Callable, *, fwd: Callable, bwd: Callable, name: str) -> Cal
     def call(*args):
         if not _jc.hiprim_usable():  # jax 0.10.2 checking leaks: reverse mode only
             return _jax_custom_vjp(fun, fwd, bwd)(*args)
-        return _VJPPrimitive(fun, fwd, bwd, name, args)(*args)
+        return _named(name)(fun, fwd, bwd, name, args)(*args)
 
     return call
 
@@ -117,7 +117,7 @@ class _VJPPrimitive(_jc.HiPrimitive):
         in_dims = jax.tree.map(
             lambda d: _jc.BATCH_SUM if d is None else d, dims, is_leaf=lambda d: d is None
         )
-        batched = _VJPPrimitive(
+        batched = type(self)(
             jax.vmap(self._fun, in_axes=dims, out_axes=out_dims, **params),
             jax.vmap(self._fwd, in_axes=dims, out_axes=(out_dims, res_dims), **params),
             jax.vmap(
@@ -128,3 +128,10 @@ class _VJPPrimitive(_jc.HiPrimitive):
             args,
         )  # fmt: skip
         return batched(*args), out_dims
+
+
+@functools.cache
+def _named(name: str) -> type:
+    """The primitive's class for one ``name``: jax 0.12 prints a hijax primitive by its class's
+    name, so a jaxpr reads ``linear_cross_entropy[...]``, not ``_VJPPrimitive[...]``."""
+    return type(name, (_VJPPrimitive,), {"__qualname__": name, "__module__": __name__})
