@@ -187,8 +187,10 @@ def optimize(
     ``scan`` equation (``lax.scan``, ``lax.map``, a ``fori_loop`` with static bounds, and the scans
     Flax's ``nn.scan`` / ``nnx.scan`` and Equinox stacks make) runs as :func:`jaxmem.scan` with its
     own length, ``reverse`` and ``unroll``, the step evaluated the same way (nested scans, the
-    step's ``jax.checkpoint`` policy and checkpoint names kept). Scans inside ``jit`` (inlined),
-    ``jax.checkpoint``, ``cond`` branches and ``shard_map`` bodies are reached; those inside a
+    step's ``jax.checkpoint`` policy and checkpoint names kept). Scans inside ``jit`` (inlined:
+    an inner ``jit``'s ``in_shardings`` / ``out_shardings`` are not re-applied; the outer jit's
+    and the arrays' shardings are), ``jax.checkpoint``, ``cond`` branches and ``shard_map``
+    bodies are reached; those inside a
     ``custom_vjp`` function (its own gradient), a ``custom_jvp`` function or a ``while_loop`` are
     left alone. Apply it before differentiating: ``jax.grad(jaxmem.optimize(loss))``; it composes
     with ``jax.jit``, ``jax.vmap`` and meshes. Array leaves of the arguments are traced; other
