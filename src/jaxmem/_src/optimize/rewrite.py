@@ -19,17 +19,19 @@ import jax
 from jaxmem._src import jax_compat as _jc
 from jaxmem._src.scan import api as _scan_api
 
+# The equations the evaluator walks into (Rewriter._eqn re-emits each); a scan under any other
+# equation holding a jaxpr is left as it is (left_alone).
+_ENTERED = frozenset({"scan", "remat2", "cond", "shard_map"}) | _jc.CALL_PRIMITIVES
+
 
 @dataclasses.dataclass
 class Found:
-    """One ``scan`` equation the evaluator met: rewritten, or left alone and why."""
+    """One ``scan`` equation the evaluator met (those it does not enter: :func:`left_alone`)."""
 
     source: str  # "file:line (function)" of the scan call, as the jaxpr records it
     called_from: str  # the innermost frame outside installed packages, when not ``source``
     length: int
     reverse: bool
-    rewritten: bool
-    why: str = ""  # why it was left alone
     step: Callable | None = None  # the step, re-evaluated (for explain)
     init: tuple = ()
     xs: tuple = ()
@@ -115,7 +117,6 @@ class Rewriter:
             *_sources(eqn.source_info),
             length=params["length"],
             reverse=bool(params["reverse"]),
-            rewritten=self.rewrite,
             step=step,
             init=tuple(init),
             xs=tuple(xs),
@@ -141,7 +142,7 @@ def _sources(source_info) -> tuple[str, str]:
     source = _jc.summarize_source(source_info)
     frames = _jc.user_frames(source_info)
     caller = next((f for f in frames if not _in_a_package(f.file_name)), None)
-    if caller is None or (frames and caller is frames[0]):
+    if caller is None or caller is frames[0]:
         return source, ""
     return source, f"{caller.file_name}:{caller.start_line} ({caller.function_name})"
 
@@ -165,7 +166,7 @@ def left_alone(jaxpr) -> list[tuple[str, str]]:
     out = []
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
-        if name in ("scan", "remat2", "cond", "shard_map") or name in _jc.CALL_PRIMITIVES:
+        if name in _ENTERED:
             for sub in _jc.subjaxprs(eqn):
                 out += left_alone(sub)
             continue

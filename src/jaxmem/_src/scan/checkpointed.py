@@ -184,6 +184,8 @@ class _CheckpointedScan:
         # The advance below is a primitive whose rules run later: it reads the schedule from
         # NumPy (no array of this trace closed over).
         table = lambda a, i: jnp.asarray(a)[i]
+        # The most steps one advance takes (the static trip count of advance_static).
+        longest = max(1, int((np.arange(length) - tables.restore_pos)[:-1].max(initial=0)))
 
         def advance_step(u, p, consts, xs, carry, bufs):
             write = table(tables.snap_when, p) == u
@@ -213,7 +215,6 @@ class _CheckpointedScan:
 
             return jax.lax.fori_loop(0, longest, step, (carry, bufs))
 
-        longest = max(1, int((np.arange(length) - tables.restore_pos)[:-1].max(initial=0)))
         advance = _differentiable(advance, advance_static)
 
         def back(state, u):
