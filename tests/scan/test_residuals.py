@@ -196,3 +196,45 @@ def test_no_final_carry_is_kept_where_no_carry_out_is_read():
     )
     assert ours == [(3, 2, 8), (3, 8, 8)]  # the carry sequence and the weights
     assert all(shape in stock for shape in ours)
+
+
+def _masked_softmax_step(mask):
+    def step(h, w):
+        s = (h @ w) @ h.T
+        s = jnp.where(mask, s, jnp.finfo(jnp.float32).min)  # jnp.where is a jit call
+        return jnp.tanh(jax.nn.softmax(s)[0] @ h), None
+
+    return step
+
+
+def test_calls_are_planned_equation_by_equation():
+    """A call (``jnp.where``'s ``jit``) is no unit of the cut: with a float mask, ``where``
+    computes ``mask != 0`` (an exact comparison, never recomputed) beside its select and the
+    zero tangent its derivative broadcasts. Whole, the call was unrecomputable and the plan
+    stacked its outputs (the masked scores, the zeros, the mask); inlined, the mask is a loop
+    invariant and the plan keeps what it keeps for a boolean mask."""
+    h, ws = jnp.ones((64, 32)), jnp.ones((4, 32, 32))
+    tril = jnp.tril(jnp.ones((1, 64, 64), jnp.float32))
+    by_float = jaxmem.scan_residuals(_masked_softmax_step(tril), h, ws)
+    by_bool = jaxmem.scan_residuals(_masked_softmax_step(tril != 0), h, ws)
+    assert by_float.stacked_bytes == by_bool.stacked_bytes
+    # Kept per step: q = h @ w, the scores' softmax input and its row statistics, the carry.
+    kept = sorted(r.shape for r in by_float.stacked)
+    assert kept == [(1, 64), (1, 64, 64), (64, 32), (64, 32)], kept
+    assert not [r for r in by_float.stacked if r.dtype == "bool"]
+
+
+@pytest.mark.parametrize("recompute", ["auto", "cheap", "none"])
+def test_gradients_through_inlined_calls_equal_lax_scan(recompute):
+    h = jax.random.normal(jax.random.key(0), (64, 32))
+    ws = jax.random.normal(jax.random.key(1), (4, 32, 32)) / 6
+    step = _masked_softmax_step(jnp.tril(jnp.ones((1, 64, 64), jnp.float32)))
+
+    def loss(scan, h, ws):
+        return jnp.sum(scan(step, h, ws)[0] ** 2)
+
+    want = jax.grad(lambda h, ws: loss(jax.lax.scan, h, ws), argnums=(0, 1))(h, ws)
+    scan = lambda f, c, x: jaxmem.scan(f, c, x, recompute=recompute)
+    got = jax.grad(lambda h, ws: loss(scan, h, ws), argnums=(0, 1))(h, ws)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(w))))

@@ -153,3 +153,58 @@ def needed_eqns(eqns, targets, available) -> list:
             needed.add(i)
             stack.extend(u for u in eqns[i].invars if _is_var(u))
     return [eqns[i] for i in sorted(needed)]
+
+
+def _plain_call(eqn) -> bool:
+    """A call (``jit``) that only groups equations: no shardings, layouts or compiler options of
+    its own, so evaluating its equations in place computes the same values (XLA inlines it)."""
+    if eqn.primitive.name not in jc.CALL_PRIMITIVES:
+        return False
+    p = eqn.params
+    shardings = (*p.get("in_shardings", ()), *p.get("out_shardings", ()))
+    layouts = (*p.get("in_layouts", ()), *p.get("out_layouts", ()))
+    return (
+        all(type(s).__name__ == "UnspecifiedValue" for s in shardings)
+        and all(x is None for x in layouts)
+        and not p.get("compiler_options_kvs")
+    )
+
+
+def eval_inlined(closed, *args) -> list:
+    """Evaluates a closed jaxpr on ``args`` as ``jax.core.jaxpr_as_fun`` does, except that a plain
+    call (``jnp.where``'s ``jit``, a user's inner ``jit`` without shardings) is evaluated
+    equation by equation instead of being bound whole.
+
+    Traced, the step then has no call boundaries: the plan prices and recomputes each equation of
+    a call on its own. A call is one value-producing unit to the cut, so one expensive or exactly
+    compared equation in it (``jnp.where`` on a float mask computes ``mask != 0``) would make all
+    its outputs stored, a zero tangent that ``where``'s derivative broadcasts included.
+    """
+    return _eval_inlined(jc.open_jaxpr(closed), jc.jaxpr_consts(closed), args)
+
+
+def _eval_inlined(jaxpr, consts: Sequence, args: Sequence, inside_call: bool = False) -> list:
+    # Inside an inlined call, equations keep the call's source line (the user's line: the
+    # call's own equations point into the library that defines it, jnp.where's module).
+    env: dict = {}
+
+    def read(v):
+        return env[v] if _is_var(v) else v.val
+
+    for v, x in zip([*jaxpr.constvars, *jaxpr.invars], [*consts, *args], strict=True):
+        env[v] = x
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        with eqn.ctx.manager if inside_call else jc.eqn_context(eqn):
+            if _plain_call(eqn):
+                body = next(p for p in eqn.params.values() if jc.is_jaxpr(p))
+                consts_b = jc.jaxpr_consts(body) if jc.is_closed_jaxpr(body) else []
+                opened = jc.open_jaxpr(body) if jc.is_closed_jaxpr(body) else body
+                outs = _eval_inlined(opened, consts_b, invals, inside_call=True)
+            else:
+                out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+                outs = list(out) if eqn.primitive.multiple_results else [out]
+        for v, x in zip(eqn.outvars, outs, strict=True):
+            if not jc.is_drop_var(v):
+                env[v] = x
+    return [read(v) for v in jaxpr.outvars]

@@ -33,6 +33,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -49,6 +50,7 @@ from jaxmem._src.scan.jaxprs import (
     _is_cheap,
     _is_var,
     _nbytes,
+    eval_inlined,
     iter_eqns,
     kept_bytes,
     needed_eqns,
@@ -96,7 +98,7 @@ def trace_step_vjp(body, n_consts: int, n_carry: int, in_avals: Sequence) -> Tra
       n_carry: number of carry leaves.
       in_avals: abstract values of all inputs, in order.
     """
-    step_fn = jc.jaxpr_as_fun(body)
+    step_fn = functools.partial(eval_inlined, body)  # calls inlined: finer cuts
     treedef_box = []
 
     def fwd_step(*args):
