@@ -31,6 +31,10 @@ _MAX_SIDE = 8192
 _MIN_SCRATCH = 4 * 2**20
 
 
+# The default tile sides on a GPU (default_tiles): the fastest of a measured sweep.
+_GPU_SIDE = 4096
+
+
 class _Config(NamedTuple):
     """Static configuration of the custom-VJP core (hashable)."""
 
@@ -68,6 +72,7 @@ def default_tiles(
     vocab_size: int,
     dtype: Any = jnp.float32,
     block_bytes: int | None = None,
+    backend: str | None = None,
 ) -> tuple[int, int]:
     """The token tile and vocabulary chunk :func:`linear_cross_entropy` uses by default.
 
@@ -81,12 +86,21 @@ def default_tiles(
     the block's f32 bytes instead (as square as powers of two allow, up to 1024 tokens and 2048
     columns per side).
 
+    On a GPU the rule is another: a tiled loop step costs a few kernel launches whatever its
+    size, and at these small blocks they dominate (on one NVIDIA H200, jax 0.11.2, N=4096 D=512
+    V=32768: 7.0x the naive loss's time at the CPU rule's 512 x 1024 tiles, 1.8x at 4096 x 4096).
+    There the tiles are 4096 x 4096 (each side at most its dimension): a 64 MiB f32 block,
+    0.13x the naive loss's temp at that shape. Other backends (TPU) are not measured and take
+    the CPU rule.
+
     Args:
       num_tokens: N, the number of tokens (the product of ``labels.shape``).
       dim: D, the hidden size (rows of ``w``).
       vocab_size: V, the number of columns of ``w`` (of its slice, under a vocabulary split).
       dtype: The dtype of ``x @ w``'s operands (its item size scales the slices).
       block_bytes: The f32 bytes of one block, or None for the rule above.
+      backend: ``"cpu"``, ``"gpu"``, ... (None: ``jax.default_backend()``, where the loss
+        runs unless its inputs are placed elsewhere).
 
     Returns:
       ``(tokens, chunk)``: tokens per tile (at most ``num_tokens``) and vocabulary columns per
@@ -100,6 +114,8 @@ def default_tiles(
       (12, 50)
       >>> default_tiles(8192, 1024, 32768, block_bytes=16 * 2**20)
       (2048, 2048)
+      >>> default_tiles(8192, 1024, 32768, backend="gpu")
+      (4096, 4096)
 
     Raises:
       TypeError: a size that is not an int.
@@ -117,6 +133,10 @@ def default_tiles(
             raise TypeError(f"default_tiles: {name} must be an int, got {type(val).__name__}")
         if val < least:
             raise ValueError(f"default_tiles: {name} must be >= {least}, got {val}")
+    if backend is None:
+        backend = jax.default_backend()
+    if block_bytes is None and backend in ("gpu", "cuda", "rocm"):
+        return max(1, min(num_tokens, _GPU_SIDE)), min(vocab_size, _GPU_SIDE)
     if block_bytes is not None:
         elems = max(1, block_bytes // 4)
         square = 1 << ((elems.bit_length() - 1) // 2)  # 2 ** floor(log2(elems) / 2)
