@@ -73,15 +73,32 @@ def grouped_bytes_bars(
     fig = new_figure((max(6.0, 1.2 * len(columns) * max(1, n / 2)), 4), feature)
     ax = fig.add_subplot()
     x = np.arange(len(columns))
-    for i, (label, vals) in enumerate(table.items()):
+    bars = []
+    for i, vals in enumerate(table.values()):
         heights = [math.nan if v is None else v / scale for v in vals]
-        ax.bar(x + (i - (n - 1) / 2) * width, heights, width, label=label)
+        bars.append(ax.bar(x + (i - (n - 1) / 2) * width, heights, width))
+        # Each bar's size on it; "" where the value is missing.
+        ax.bar_label(
+            bars[-1], ["" if v is None else format_bytes(v) for v in vals], fontsize=7,
+            rotation=90, padding=2,
+        )  # fmt: skip
     ax.set_xticks(x, list(columns))
     ax.set_ylabel(unit)
     ax.set_title(title)
-    ax.legend()
+    ax.margins(y=0.25)  # room for the value labels above the tallest bar
+    _legend_outside(ax, bars, list(table))
     fig.tight_layout()
     return fig
+
+
+def _legend_outside(ax: Any, handles: Sequence[Any], labels: Sequence[str], **kwargs: Any) -> Any:
+    """A legend right of the axes (off the data), every label shown: given explicitly, a label
+    starting with ``_`` (a module such as optax's ``_classification.py``) is kept, where
+    matplotlib's automatic legend drops it."""
+    return ax.legend(
+        list(handles), list(labels), loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False,
+        **kwargs,
+    )  # fmt: skip
 
 
 def live_timeline(
@@ -94,7 +111,7 @@ def live_timeline(
     scale, unit = unit_for(peak_bytes)
     fig = new_figure((9, 4.5), feature)
     ax = fig.add_subplot()
-    ax.stackplot(np.arange(points), layers / scale, labels=list(labels), alpha=0.85)
+    bands = ax.stackplot(np.arange(points), layers / scale, alpha=0.85)
     ax.axvline(peak_index, color="black", linestyle="--", linewidth=1)
     late = peak_index > 0.7 * points  # label on the left of a late peak, inside the axes
     ax.annotate(
@@ -108,7 +125,7 @@ def live_timeline(
     ax.set_xlabel("program point (XLA's schedule)")
     ax.set_ylabel(unit)
     ax.set_title(title)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    _legend_outside(ax, bands, labels, fontsize=8)
     fig.tight_layout()
     return fig
 

@@ -544,9 +544,10 @@ class MemoryReport:
             labels.append(f"residual: {origin}")
             values.append(value)
             colors.append("tab:orange")
-        fig = _plots.bytes_bars(
-            labels, values, colors, f"memory of {self.name}", "MemoryReport.plot"
-        )
+        title = f"{self.name}: compiled memory (XLA's memory_analysis)"
+        if self.residual_bytes_by_origin:
+            title += ", the gradient's saved residuals by origin"
+        fig = _plots.bytes_bars(labels, values, colors, title, "MemoryReport.plot")
         fig.savefig(path)
         return path
 
