@@ -507,6 +507,7 @@ def test_default_temp_at_most_jax_cce_leanest_chunk():
         ((12, 8, 50), {"block_bytes": 0}, ValueError, "block_bytes must be >= 1, got 0"),
         ((12.0, 8, 50), {}, TypeError, "num_tokens must be an int, got float"),
         ((12, 8, True), {}, TypeError, "vocab_size must be an int, got bool"),
+        ((12, 8, 50), {"backend": 0}, TypeError, "backend must be a platform name .* got int"),
     ],
 )
 def test_default_tiles_rejects_bad_sizes(args, kwargs, error, match):
@@ -517,6 +518,17 @@ def test_default_tiles_rejects_bad_sizes(args, kwargs, error, match):
 def test_default_tiles_of_no_tokens():
     """An empty batch (what linear_cross_entropy passes for zero tokens) is not an error."""
     assert default_tiles(0, 8, 50) == (0, 1)
+
+
+def test_default_tiles_by_backend():
+    """On a GPU the tiles are 4096 x 4096, each side at most its dimension; the CPU rule is the
+    default here (a CPU machine) and for backends not measured."""
+    assert default_tiles(8192, 1024, 50257, backend="gpu") == (4096, 4096)
+    assert default_tiles(12, 8, 50, backend="gpu") == (12, 50)
+    assert default_tiles(0, 8, 50, backend="gpu") == (0, 50)
+    cpu = default_tiles(4096, 512, 32768, backend="cpu")
+    assert cpu == (512, 1024) == default_tiles(4096, 512, 32768)
+    assert default_tiles(4096, 512, 32768, backend="tpu") == cpu
 
 
 @pytest.mark.parametrize(

@@ -118,7 +118,7 @@ def default_tiles(
       (4096, 4096)
 
     Raises:
-      TypeError: a size that is not an int.
+      TypeError: a size that is not an int, or a ``backend`` that is not a str.
       ValueError: a negative ``num_tokens``, or ``dim``, ``vocab_size`` or ``block_bytes`` below 1.
     """
     for name, val, least in (
@@ -133,10 +133,15 @@ def default_tiles(
             raise TypeError(f"default_tiles: {name} must be an int, got {type(val).__name__}")
         if val < least:
             raise ValueError(f"default_tiles: {name} must be >= {least}, got {val}")
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(
+            f"default_tiles: backend must be a platform name such as 'cpu' or 'gpu', or None, "
+            f"got {type(backend).__name__}"
+        )
     if backend is None:
         backend = jax.default_backend()
     if block_bytes is None and backend in ("gpu", "cuda", "rocm"):
-        return max(1, min(num_tokens, _GPU_SIDE)), min(vocab_size, _GPU_SIDE)
+        return min(num_tokens, _GPU_SIDE), min(vocab_size, _GPU_SIDE)
     if block_bytes is not None:
         elems = max(1, block_bytes // 4)
         square = 1 << ((elems.bit_length() - 1) // 2)  # 2 ** floor(log2(elems) / 2)
