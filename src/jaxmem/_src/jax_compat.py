@@ -15,7 +15,7 @@ back, never touching either class directly.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -485,6 +485,51 @@ def _grad_accum():
 # The accumulator a hijax transpose rule receives for each linear input (``accum(value)``);
 # private: ``jax._src.interpreters.ad.GradAccum`` (0.10.2 and 0.12).
 GradAccum = _grad_accum()
+
+
+# --- re-evaluating jaxprs (the step plan, the chunked loss tails, jaxmem.optimize) ----------------
+
+
+def eval_eqns(jaxpr, consts: Sequence, args: Sequence, apply: Callable) -> list:
+    """Evaluates the open ``jaxpr`` on ``consts`` and ``args`` as ``jax.core.eval_jaxpr`` does,
+    with ``apply(eqn, invals)`` giving each equation's outputs (a list).
+
+    ``apply`` returning None skips the equation: its outputs stay unset, so nothing evaluated
+    later may read them. The one loop under jaxmem's evaluators, which differ only in what they
+    do with an equation (bind it, inline a call, rewrite a scan).
+    """
+    env: dict = {}
+
+    def read(v):
+        return env[v] if is_var(v) else v.val
+
+    env.update(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    for eqn in jaxpr.eqns:
+        outs = apply(eqn, [read(v) for v in eqn.invars])
+        if outs is None:
+            continue
+        for v, x in zip(eqn.outvars, outs, strict=True):
+            if not is_drop_var(v):
+                env[v] = x
+    return [read(v) for v in jaxpr.outvars]
+
+
+def bind_eqn(eqn, invals: Sequence, params: dict | None = None) -> list:
+    """``eqn``'s primitive bound to ``invals`` (with ``params``, by default the equation's own
+    bind parameters); its outputs as a list."""
+    if params is None:
+        params = eqn.primitive.get_bind_params(eqn.params)
+    out = eqn.primitive.bind(*invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def call_body(eqn) -> tuple[Any, list]:
+    """The open jaxpr and the constants of a call's (``jit``'s) one body."""
+    (body,) = [p for p in eqn.params.values() if is_jaxpr(p)]
+    if is_closed_jaxpr(body):
+        return open_jaxpr(body), jaxpr_consts(body)
+    return body, []
 
 
 # --- re-evaluating an equation (jaxmem.optimize) ---------------------------------------------

@@ -38,28 +38,13 @@ def _type(v) -> str:
 
 
 def _inline(jaxpr, consts: Sequence, args: Sequence, outer=None) -> list:
-    env: dict[Any, Any] = {}
+    def apply(eqn, invals):
+        info = _rw.source_of(eqn, outer)
+        if eqn.primitive.name in _jc.CALL_PRIMITIVES and len(_jc.subjaxprs(eqn)) == 1:
+            return _inline(*_jc.call_body(eqn), invals, info)
+        return _rw.bind_at(eqn, invals, eqn.primitive.get_bind_params(eqn.params), info)
 
-    def read(v):
-        return env[v] if _jc.is_var(v) else v.val
-
-    env.update(zip(jaxpr.constvars, consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
-    for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
-        subs = [p for p in eqn.params.values() if _jc.is_jaxpr(p)]
-        if eqn.primitive.name in _jc.CALL_PRIMITIVES and len(subs) == 1:
-            (sub,) = subs
-            closed = sub if _jc.is_closed_jaxpr(sub) else _jc.closed_jaxpr(sub, [])
-            info = _rw.source_of(eqn, outer)
-            outs = _inline(_jc.open_jaxpr(closed), _jc.jaxpr_consts(closed), invals, info)
-        else:
-            params = eqn.primitive.get_bind_params(eqn.params)
-            outs = _rw.bind_at(eqn, invals, params, _rw.source_of(eqn, outer))
-        for v, x in zip(eqn.outvars, outs, strict=True):
-            if not _jc.is_drop_var(v):
-                env[v] = x
-    return [read(v) for v in jaxpr.outvars]
+    return _jc.eval_eqns(jaxpr, consts, args, apply)
 
 
 def trace_tail(jaxpr, tail: _rw.Tail, rows: int):

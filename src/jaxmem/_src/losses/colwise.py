@@ -491,10 +491,7 @@ def _inject(acc: _Acc, st, p):
 
 
 def _bind(eqn, env: dict):
-    invals = [env[v] if _jc.is_var(v) else v.val for v in eqn.invars]
-    outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-    if not eqn.primitive.multiple_results:
-        outs = [outs]
+    outs = _jc.bind_eqn(eqn, [env[v] if _jc.is_var(v) else v.val for v in eqn.invars])
     for v, x in zip(eqn.outvars, outs, strict=True):
         if not _jc.is_drop_var(v):
             env[v] = x

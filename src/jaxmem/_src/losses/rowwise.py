@@ -484,40 +484,23 @@ def bind_at(eqn, invals: Sequence, params: dict, info) -> list:
     """``eqn``'s primitive bound to ``invals`` with ``params``, traced at source ``info``; its
     outputs as a list."""
     with _siu.user_context(info.traceback, name_stack=info.name_stack):
-        outs = eqn.primitive.bind(*invals, **params)
-    return outs if eqn.primitive.multiple_results else [outs]
+        return _jc.bind_eqn(eqn, invals, params)
 
 
 def _eval(jaxpr, consts: Sequence, args: Sequence, axes: Axes, rows: int, outer=None) -> list:
-    env: dict[Any, Any] = {}
-
-    def read(v):
-        return v.val if not _jc.is_var(v) else env[v]
-
-    for v, c in zip(jaxpr.constvars, consts, strict=True):
-        env[v] = c
-    for v, x in zip(jaxpr.invars, args, strict=True):
-        env[v] = x
-    for eqn in jaxpr.eqns:
+    def apply(eqn, invals):
         if id(eqn) not in axes:
-            continue  # not needed by the tail
+            return None  # not needed by the tail
         _, out_axes = axes[id(eqn)]
-        invals = [read(v) for v in eqn.invars]
+        info = source_of(eqn, outer)
         if eqn.primitive.name in _CALLS:
-            (sub,) = [p for p in eqn.params.values() if _jc.is_jaxpr(p)]
-            closed = sub if _jc.is_closed_jaxpr(sub) else _jc.closed_jaxpr(sub, [])
+            body, consts_b = _jc.call_body(eqn)
             if all(a is None for a in out_axes):  # shared by every row: runs as written
-                outs = _jc.jaxpr_as_fun(closed)(*invals)
-            else:
-                info = source_of(eqn, outer)
-                sub = _jc.open_jaxpr(closed)
-                outs = _eval(sub, _jc.jaxpr_consts(closed), invals, axes, rows, info)
-        else:
-            outs = bind_at(eqn, invals, rewrite(eqn, out_axes, rows), source_of(eqn, outer))
-        for v, x in zip(eqn.outvars, outs, strict=True):
-            if not _jc.is_drop_var(v):
-                env[v] = x
-    return [read(v) for v in jaxpr.outvars]
+                return _jc.jaxpr_as_fun(_jc.closed_jaxpr(body, consts_b))(*invals)
+            return _eval(body, consts_b, invals, axes, rows, info)
+        return bind_at(eqn, invals, rewrite(eqn, out_axes, rows), info)
+
+    return _jc.eval_eqns(jaxpr, consts, args, apply)
 
 
 def run_tail(jaxpr, tail: Tail, rows: int, split_vals: Sequence, param_vals: Sequence):

@@ -54,21 +54,11 @@ class Rewriter:
         return self.eval(_jc.open_jaxpr(closed), _jc.jaxpr_consts(closed), args)
 
     def eval(self, jaxpr, consts: Sequence, args: Sequence) -> list:
-        env: dict = {}
-
-        def read(v):
-            return v.val if not _jc.is_var(v) else env[v]
-
-        for v, x in zip([*jaxpr.constvars, *jaxpr.invars], [*consts, *args], strict=True):
-            env[v] = x
-        for eqn in jaxpr.eqns:
-            invals = [read(v) for v in eqn.invars]
+        def apply(eqn, invals):
             with _jc.eqn_context(eqn):
-                outs = self._eqn(eqn, invals)
-            for v, x in zip(eqn.outvars, outs, strict=True):
-                if not _jc.is_drop_var(v):
-                    env[v] = x
-        return [read(v) for v in jaxpr.outvars]
+                return self._eqn(eqn, invals)
+
+        return _jc.eval_eqns(jaxpr, consts, args, apply)
 
     def _sub(self, jaxpr_like) -> Callable:
         """A function evaluating ``jaxpr_like`` (open or closed) with this rewriter."""
@@ -97,7 +87,7 @@ class Rewriter:
             return list(jax.lax.switch(index, branches, *ops))
         if name == "shard_map":
             return _jc.rebind_shard_map(eqn, self._sub(params["jaxpr"]), invals)
-        return _bind(eqn, invals)
+        return _jc.bind_eqn(eqn, invals)
 
     def _scan(self, eqn, invals: list) -> list:
         params = eqn.params
@@ -123,7 +113,7 @@ class Rewriter:
         )
         self.found.append(found)
         if not self.rewrite:
-            return _bind(eqn, invals)
+            return _jc.bind_eqn(eqn, invals)
         carry, ys = _scan_api.scan(
             step,
             list(init),
@@ -153,12 +143,6 @@ _JAXMEM = str(pathlib.Path(__file__).resolve().parents[2])  # the jaxmem package
 def _in_a_package(path: str) -> bool:
     parts = pathlib.PurePath(path).parts
     return "site-packages" in parts or "dist-packages" in parts or path.startswith(_JAXMEM)
-
-
-def _bind(eqn, invals: list) -> list:
-    """The equation applied to ``invals`` as it is (JAX's own evaluation of it)."""
-    out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-    return list(out) if eqn.primitive.multiple_results else [out]
 
 
 def left_alone(jaxpr) -> list[tuple[str, str]]:

@@ -186,25 +186,10 @@ def eval_inlined(closed, *args) -> list:
 def _eval_inlined(jaxpr, consts: Sequence, args: Sequence, inside_call: bool = False) -> list:
     # Inside an inlined call, equations keep the call's source line (the user's line: the
     # call's own equations point into the library that defines it, jnp.where's module).
-    env: dict = {}
-
-    def read(v):
-        return env[v] if _is_var(v) else v.val
-
-    for v, x in zip([*jaxpr.constvars, *jaxpr.invars], [*consts, *args], strict=True):
-        env[v] = x
-    for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
+    def apply(eqn, invals):
         with eqn.ctx.manager if inside_call else jc.eqn_context(eqn):
             if _plain_call(eqn):
-                body = next(p for p in eqn.params.values() if jc.is_jaxpr(p))
-                consts_b = jc.jaxpr_consts(body) if jc.is_closed_jaxpr(body) else []
-                opened = jc.open_jaxpr(body) if jc.is_closed_jaxpr(body) else body
-                outs = _eval_inlined(opened, consts_b, invals, inside_call=True)
-            else:
-                out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-                outs = list(out) if eqn.primitive.multiple_results else [out]
-        for v, x in zip(eqn.outvars, outs, strict=True):
-            if not jc.is_drop_var(v):
-                env[v] = x
-    return [read(v) for v in jaxpr.outvars]
+                return _eval_inlined(*jc.call_body(eqn), invals, inside_call=True)
+            return jc.bind_eqn(eqn, invals)
+
+    return jc.eval_eqns(jaxpr, consts, args, apply)
