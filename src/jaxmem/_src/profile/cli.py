@@ -5,7 +5,8 @@ directory is put on ``sys.path`` first, as ``python -m`` does) or ``path/to/file
 (loaded from the file; its directory is put on ``sys.path``, as ``python file.py`` does). The
 function returns ``(fn, args)`` or ``(fn, args, kwargs)``; ``fn(*args, **kwargs)`` is what
 :func:`jaxmem.profile` compiles (nothing is run, so arguments may be ``jax.ShapeDtypeStruct``).
-The command prints the report and the largest buffers live at the peak, and writes two plots.
+The command prints the report and the largest buffers live at the peak, and writes two plots
+(and, with ``--html``, the interactive memory viewer: :meth:`jaxmem.MemoryReport.to_html`).
 
 Whatever goes wrong with TARGET (no such module or file, no such function, a function that
 needs arguments or raises, a return value of the wrong shape) or with profiling it is reported
@@ -55,7 +56,8 @@ DESCRIPTION = (
     "training step), args a tuple of its positional arguments, kwargs a dict of keyword "
     "arguments. Arguments may be arrays or jax.ShapeDtypeStruct: fn is compiled, never run. "
     "Prints jaxmem.profile's report and the largest buffers live at the peak, and writes "
-    "<function>_memory.png and <function>_timeline.png."
+    "<function>_memory.png and <function>_timeline.png; with --html also <function>_memory.html, "
+    "an interactive viewer of the buffers (one self-contained file: open it in a browser)."
 )
 
 EPILOG = """\
@@ -74,12 +76,13 @@ the current directory:
       batch = jax.ShapeDtypeStruct((32, 4096), jnp.bfloat16)
       return jax.grad(loss), (params, batch)
 
-  python -m jaxmem profile mymodel:make_step --out plots/
+  python -m jaxmem profile mymodel:make_step --out plots/ --html
 
-prints the report and writes plots/make_step_memory.png and
-plots/make_step_timeline.png. A bad TARGET (no such module or function, not
-callable, needs arguments, raises, returns anything but (fn, args) or
-(fn, args, kwargs)) or a failed compile is one line on stderr, exit status 2.
+prints the report and writes plots/make_step_memory.png,
+plots/make_step_timeline.png and plots/make_step_memory.html (the viewer).
+A bad TARGET (no such module or function, not callable, needs arguments,
+raises, returns anything but (fn, args) or (fn, args, kwargs)) or a failed
+compile is one line on stderr, exit status 2.
 """
 
 
@@ -304,8 +307,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--out",
         default=".",
         metavar="DIR",
-        help="directory for <function>_memory.png and <function>_timeline.png (created if "
-        "missing; default: the current directory)",
+        help="directory for <function>_memory.png, <function>_timeline.png and, with --html, "
+        "<function>_memory.html (created if missing; default: the current directory)",
     )
     parser.add_argument(
         "--top",
@@ -316,6 +319,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--json", metavar="PATH", help="also write the report as JSON (report.to_json()) to PATH"
+    )
+    parser.add_argument(
+        "--html",
+        action="store_true",
+        help="also write <function>_memory.html in the --out directory: an interactive viewer "
+        "of the timeline and the buffers, one file with no network access (report.to_html())",
     )
     parser.add_argument(
         "--traceback",
@@ -359,7 +368,7 @@ def run(args: argparse.Namespace) -> int:
         _print_peak_buffers(report.peak_buffers, args.top)
     print(f"\n{args.target}: {report.peak_summary()}")
     try:
-        written = _write_outputs(report, name, args.out, args.json)
+        written = _write_outputs(report, name, args.out, args.json, args.html)
     except OSError as e:
         return _error(f"writing the outputs failed: {_exception_line(e)}")
     for path in written:
@@ -391,11 +400,15 @@ def _print_peak_buffers(buffers: tuple[Buffer, ...], top: int) -> None:
         print("  " + "  ".join([*cells, op_name]))
 
 
-def _write_outputs(report: MemoryReport, name: str, out: str, json_path: str | None) -> list[str]:
+def _write_outputs(
+    report: MemoryReport, name: str, out: str, json_path: str | None, html: bool
+) -> list[str]:
     os.makedirs(out, exist_ok=True)
     written = [str(report.plot(os.path.join(out, f"{name}_memory.png")))]
     if report.buffers is not None:
         written.append(str(report.plot_timeline(os.path.join(out, f"{name}_timeline.png"))))
+    if html:
+        written.append(str(report.to_html(os.path.join(out, f"{name}_memory.html"))))
     if json_path is not None:
         with open(json_path, "w", encoding="utf-8") as f:
             f.write(report.to_json(indent=2))

@@ -15,6 +15,7 @@ from jaxmem._src import checks
 from jaxmem._src import format as _fmt
 from jaxmem._src import plots as _plots
 from jaxmem._src.format import format_bytes
+from jaxmem._src.profile import html as _html
 from jaxmem._src.profile.report import _MEMORY_FIELDS, MemoryReport, _check_args, _profile
 
 __all__ = ["Comparison", "compare"]
@@ -223,6 +224,37 @@ class Comparison:
         }
         title = f"memory, baseline {self.baseline!r}"
         _plots.grouped_bytes_bars(columns, table, title, "Comparison.plot").savefig(path)
+        return path
+
+    def to_html(self, path: str | os.PathLike[str], groups: int = 6) -> str | os.PathLike[str]:
+        """Write an interactive memory viewer of the comparison: one self-contained HTML file.
+
+        The comparison table (each figure with its ratio to the baseline) on top, then every
+        report side by side as :meth:`MemoryReport.to_html` shows it, their timelines on one
+        scale of bytes. ``page.html#report=LABEL&buffer=NAME`` opens buffer ``NAME`` of report
+        ``LABEL`` on load (``#buffer=NAME``: of the first report that has one so named).
+
+        Args:
+            path: where to write the page (e.g. ``"comparison.html"``).
+            groups: how many source lines get a band of their own in each timeline.
+
+        Returns:
+            ``path``, as given.
+
+        Examples:
+            >>> import tempfile, os
+            >>> import jax, jax.numpy as jnp
+            >>> import jaxmem
+            >>> def loss(x):
+            ...     return jnp.sum(jnp.sin(jnp.sin(x)))
+            >>> cmp = jaxmem.compare({"stock": loss, "remat": jax.checkpoint(loss)}, jnp.ones(64))
+            >>> with tempfile.TemporaryDirectory() as d:
+            ...     with open(cmp.to_html(os.path.join(d, "cmp.html")), encoding="utf-8") as f:
+            ...         page = f.read()
+            >>> "Memory comparison: stock vs remat" in page
+            True
+        """
+        _html.write(path, _html.comparison_page(self, _COMPARE_COLUMNS, groups))
         return path
 
 

@@ -24,13 +24,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxmem._src import checks
 from jaxmem._src import format as _fmt
 from jaxmem._src import plots as _plots
 from jaxmem._src.format import format_bytes
 from jaxmem._src.listing import ORIGINS, SavedResidual, saved_residuals, short_source
+from jaxmem._src.profile import html as _html
 from jaxmem._src.profile.buffers import (
     Buffer,
     BufferDumpError,
@@ -38,6 +38,7 @@ from jaxmem._src.profile.buffers import (
     BufferReport,
     compile_with_buffers,
 )
+from jaxmem._src.profile.timeline import group_label, stack_by_source
 from jaxmem._src.scan.hooks import collect_plans
 from jaxmem._src.scan.summary import ScanPlan
 
@@ -215,7 +216,7 @@ class MemoryReport:
 
     @property
     def peak_buffers(self) -> tuple[Buffer, ...]:
-        """The buffers live (on a device) at the peak program point, largest first: bytes,
+        """The buffers live (on a device) at the peak program point, largest first, with bytes,
         shape, dtype, kind (``argument``/``output``/``temp``/``constant``, ``loop_state`` for
         loop-carried values such as a scan's stacked residuals), HLO instruction, JAX
         ``op_name`` (``transpose(...)`` marks the backward pass) and ``source`` (``file:line
@@ -304,6 +305,36 @@ class MemoryReport:
         """
         return _plot_timeline(self, path, groups)
 
+    def to_html(self, path: str | os.PathLike[str], groups: int = 6) -> str | os.PathLike[str]:
+        """Write an interactive memory viewer of this report: one self-contained HTML file.
+
+        The page needs no network (data, style and script are inline): it shows the totals,
+        the live bytes over the compiled program stacked by source line as :meth:`plot_timeline`
+        draws them, the peak, the live ranges of the largest buffers at the peak, the top
+        contributors and every buffer. Hovering shows what is live at a point; clicking a band,
+        a bar or a row opens a buffer's shape, dtype, kind, ``op_name``, source line and live
+        range. ``page.html#buffer=NAME`` opens buffer ``NAME`` on load.
+
+        Args:
+            path: where to write the page (e.g. ``"memory.html"``).
+            groups: how many source lines get a band of their own; the rest is "other".
+
+        Returns:
+            ``path``, as given.
+
+        Examples:
+            >>> import tempfile, pathlib
+            >>> import jax, jax.numpy as jnp
+            >>> import jaxmem
+            >>> report = jaxmem.profile(jax.grad(lambda x: jnp.sum(jnp.sin(x))), jnp.ones(64))
+            >>> with tempfile.TemporaryDirectory() as d:
+            ...     page = report.to_html(pathlib.Path(d) / "memory.html").read_text()
+            >>> page.startswith("<!DOCTYPE html>"), report.peak_buffers[0].name in page
+            (True, True)
+        """
+        _html.write(path, _html.report_page(self, groups))
+        return path
+
     @property
     def per_device_note(self) -> str:
         """``""`` for a one-device program, else a note that the figures are per device.
@@ -365,7 +396,7 @@ class MemoryReport:
         if self.buffers is None:
             return head
         tops = "; ".join(
-            f"{_group_label(g)} {format_bytes(g.bytes)}" for g in self.top_contributors(n)
+            f"{group_label(g)} {format_bytes(g.bytes)}" for g in self.top_contributors(n)
         )
         return f"{head}; {tops}"
 
@@ -471,7 +502,7 @@ class MemoryReport:
             f"{len(b.program)} ({b.peak_instruction}); by source line:"
         ]
         for g in self.top_contributors(top):
-            lines.append(f"  {format_bytes(g.bytes):>11}  {_group_label(g)}")
+            lines.append(f"  {format_bytes(g.bytes):>11}  {group_label(g)}")
         lines.append("largest buffers:")
         for buf in b.peak_buffers[:top]:
             kind = buf.kind + (" (loop state)" if buf.loop_state else "")
@@ -723,38 +754,13 @@ def _jsonable(x: Any) -> Any:
     return json.loads(json.dumps(x))
 
 
-def _group_label(g: BufferGroup) -> str:
-    key = short_source(g.key) if ":" in g.key and "(" in g.key else g.key
-    return f"{key}{' (backward)' if g.backward else ''}"
-
-
 def _plot_timeline(report: MemoryReport, path: Any, n_groups: int) -> Any:
     b = report._buffer_report()
-    top = sorted(b.by_source(), key=lambda g: -g.bytes)[:n_groups]
-    # Colour memory, not values: each (allocation, offset) slice of the device takes the group
-    # of the buffer holding it at the peak, over its whole life (a scan's stack is filled by the
-    # forward loop and read by the backward one through different values), and is counted once
-    # per point at its largest live value, as the timeline counts it.
-    held = {b_.name: i for i, g in enumerate(top) for b_ in b.peak_buffers if b_.name in g.names}
-    group_of_slice = {
-        (buf.allocation, buf.offset): held[buf.name] for buf in b.peak_buffers if buf.name in held
-    }
-    points = len(b.timeline)
-    slices: dict[tuple[int, int], np.ndarray] = {}
-    for buf in b.buffers:
-        if buf.start is None or buf.memory_space != 0:
-            continue
-        live = slices.setdefault((buf.allocation, buf.offset), np.zeros(points))
-        span = slice(max(buf.start, 0), min(buf.end, points - 1) + 1)
-        live[span] = np.maximum(live[span], buf.bytes)
-    layers = np.zeros((len(top) + 1, points))
-    for key, live in slices.items():
-        layers[group_of_slice.get(key, len(top))] += live
+    stacked = stack_by_source(b, n_groups)
     note = f", {report.per_device_note}" if report.per_device_note else ""
-    labels = [_group_label(g) for g in top] + ["other"]
     fig = _plots.live_timeline(
-        layers, labels, b.peak_index, b.peak_bytes, f"live memory of {report.name}{note}",
-        "MemoryReport.plot_timeline",
+        stacked.layers, stacked.labels, b.peak_index, b.peak_bytes,
+        f"live memory of {report.name}{note}", "MemoryReport.plot_timeline",
     )  # fmt: skip
     fig.savefig(path)
     return path

@@ -1,0 +1,118 @@
+"""Live device bytes over a compiled program, stacked by the source lines that hold the peak.
+
+One computation for every view of the timeline: :meth:`jaxmem.MemoryReport.plot_timeline` (a
+PNG) and the HTML viewer (:mod:`jaxmem._src.profile.html`) draw the same bands.
+
+Memory is coloured, not values: each ``(allocation, offset)`` slice of device memory takes the
+group of the buffer holding it at the peak, over the slice's whole life (a scan's stack is filled
+by the forward loop and read by the backward one through different values), and is counted once
+per program point at its largest live value, as :attr:`jaxmem.BufferReport.timeline` counts it.
+Slices that no top group holds at the peak make the last band, "other".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxmem._src.listing import short_source
+from jaxmem._src.profile.buffers import Buffer, BufferGroup, BufferReport
+
+__all__ = ["StackedTimeline", "group_label", "stack_by_source"]
+
+OTHER = "other"
+
+
+def group_label(g: BufferGroup) -> str:
+    """A group's label in reports and plots: its source line as ``file.py:LINE (function)``
+    (the file without its directory), ``" (backward)"`` added for a backward group.
+
+    Examples:
+        >>> group_label(BufferGroup("/src/model.py:12 (mlp)", 64, 1, True, ("add.1",)))
+        'model.py:12 (mlp) (backward)'
+        >>> group_label(BufferGroup("argument x", 64, 1, False, ("p.0",)))
+        'argument x'
+    """
+    key = short_source(g.key) if ":" in g.key and "(" in g.key else g.key
+    return f"{key}{' (backward)' if g.backward else ''}"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StackedTimeline:
+    """The live bytes of a :class:`BufferReport`, one band per top source group plus "other".
+
+    Attributes:
+        groups: the top groups of the peak buffers (:meth:`BufferReport.by_source`), largest
+            first; band ``i < len(groups)`` is ``groups[i]``, the last band is "other".
+        labels: one label per band (:func:`group_label`, then ``"other"``).
+        layers: ``[bands, points]`` int64 live bytes; the bands add up to the timeline.
+        band_of_slice: ``(allocation, offset)`` -> band, for the slices the top groups hold at
+            the peak; every other slice is in the last band.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from jaxmem._src.profile.buffers import read_buffers
+        >>> report = read_buffers(lambda x: jnp.sin(x) * 2, jnp.ones(64))
+        >>> stacked = stack_by_source(report, 2)
+        >>> stacked.layers.sum(axis=0).tolist() == list(report.timeline)
+        True
+        >>> stacked.labels[-1]
+        'other'
+    """
+
+    groups: tuple[BufferGroup, ...]
+    labels: tuple[str, ...]
+    layers: np.ndarray
+    band_of_slice: dict[tuple[int, int], int]
+
+    def band_of(self, buffer: Buffer) -> int:
+        """The band of ``buffer``: that of its slice of memory.
+
+        Examples:
+            >>> import jax.numpy as jnp
+            >>> from jaxmem._src.profile.buffers import read_buffers
+            >>> report = read_buffers(lambda x: jnp.sin(x) * 2, jnp.ones(64))
+            >>> stacked = stack_by_source(report, 1)
+            >>> stacked.band_of(report.peak_buffers[0]) in (0, 1)
+            True
+        """
+        return self.band_of_slice.get((buffer.allocation, buffer.offset), len(self.groups))
+
+
+def stack_by_source(report: BufferReport, n_groups: int) -> StackedTimeline:
+    """Splits the live-bytes timeline of ``report`` into bands by source line.
+
+    Args:
+        report: a buffer assignment, read back.
+        n_groups: how many of the largest source groups at the peak get a band of their own.
+
+    Returns:
+        A :class:`StackedTimeline`.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from jaxmem._src.profile.buffers import read_buffers
+        >>> report = read_buffers(lambda x: jnp.sum(jnp.sin(x) * 2), jnp.ones(64))
+        >>> stacked = stack_by_source(report, 3)
+        >>> int(stacked.layers[:, report.peak_index].sum()) == report.peak_bytes
+        True
+    """
+    top = tuple(sorted(report.by_source(), key=lambda g: -g.bytes)[:n_groups])
+    held = {b.name: i for i, g in enumerate(top) for b in report.peak_buffers if b.name in g.names}
+    band_of_slice = {
+        (b.allocation, b.offset): held[b.name] for b in report.peak_buffers if b.name in held
+    }
+    points = len(report.timeline)
+    slices: dict[tuple[int, int], np.ndarray] = {}
+    for buf in report.buffers:
+        if buf.start is None or buf.memory_space != 0:
+            continue
+        live = slices.setdefault((buf.allocation, buf.offset), np.zeros(points, dtype=np.int64))
+        span = slice(max(buf.start, 0), min(buf.end, points - 1) + 1)
+        live[span] = np.maximum(live[span], buf.bytes)
+    layers = np.zeros((len(top) + 1, points), dtype=np.int64)
+    for key, live in slices.items():
+        layers[band_of_slice.get(key, len(top))] += live
+    labels = tuple(group_label(g) for g in top) + (OTHER,)
+    return StackedTimeline(top, labels, layers, band_of_slice)

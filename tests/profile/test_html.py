@@ -1,0 +1,379 @@
+"""The memory viewer: ``MemoryReport.to_html``, ``Comparison.to_html`` and ``profile --html``.
+
+Two kinds of tests. Structural ones read the written file: nothing in it points to the network,
+and its JSON data block holds the report's buffers, timeline and peak. Browser ones open the
+page in headless Chromium: the script runs to the end with nothing on the console (the page's
+Content-Security-Policy turns any attempt to load a resource into a console message), the DOM
+it builds names the buffers, ``#buffer=NAME`` opens that buffer's details, and a screenshot
+shows a drawing. Without Chromium they are skipped, unless ``CI`` is set: then they fail.
+"""
+
+import dataclasses
+import html
+import json
+import os
+import pathlib
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import urllib.parse
+
+import jax
+import matplotlib.image
+import numpy as np
+import pytest
+
+import jaxmem
+from benchmarks.viewer_screenshot import BROWSERS, CONSOLE, FLAGS
+from jaxmem import __main__ as cli
+from jaxmem._src import plots
+from jaxmem._src.format import format_bytes
+from jaxmem._src.profile.timeline import group_label
+from tests.profile import profile_targets
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PNG = b"\x89PNG\r\n\x1a\n"
+DATA_BLOCK = re.compile(
+    r'<script type="application/json" id="jaxmem-data">(.*?)</script>', re.DOTALL
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Fixtures: a small MLP's gradient, and a comparison with its rematerialized twin
+
+
+@pytest.fixture(scope="module")
+def report():
+    fn, args = profile_targets.mlp()
+    return jaxmem.profile(fn, *args)
+
+
+@pytest.fixture(scope="module")
+def comparison():
+    _, args = profile_targets.mlp()
+    loss = profile_targets._mlp_loss
+    return jaxmem.compare({"stock": jax.grad(loss), "remat": jax.grad(jax.checkpoint(loss))}, *args)
+
+
+@pytest.fixture(scope="module")
+def report_page(report, tmp_path_factory):
+    return report.to_html(tmp_path_factory.mktemp("viewer") / "mlp.html")
+
+
+@pytest.fixture(scope="module")
+def comparison_page(comparison, tmp_path_factory):
+    return comparison.to_html(tmp_path_factory.mktemp("viewer") / "cmp.html")
+
+
+def _data(path) -> dict:
+    (block,) = DATA_BLOCK.findall(pathlib.Path(path).read_text(encoding="utf-8"))
+    return json.loads(block)
+
+
+# --------------------------------------------------------------------------------------------
+# Structural: the file alone
+
+
+def _assert_self_contained(text: str) -> None:
+    assert text.startswith("<!DOCTYPE html>")
+    for needle in ("http://", "https://", "//cdn", "<link", "@import", "url(http"):
+        assert needle not in text, needle
+    loads = re.findall(r"<(?:script|img|iframe|link|source|embed)\b[^>]*\b(?:src|href)=", text)
+    assert not loads, loads
+    # The page forbids itself any other source than its inline script and style.
+    assert "content=\"default-src 'none'; script-src 'unsafe-inline'" in text
+
+
+def test_report_page_is_one_file_with_no_network(report_page):
+    _assert_self_contained(report_page.read_text(encoding="utf-8"))
+
+
+def test_comparison_page_is_one_file_with_no_network(comparison_page):
+    _assert_self_contained(comparison_page.read_text(encoding="utf-8"))
+
+
+def _buffer_rows(buffers):
+    return [
+        (b.name, b.bytes, list(b.shape), b.dtype, b.kind, b.op_name, b.source, b.start, b.end)
+        for b in buffers
+    ]
+
+
+def _data_rows(view):
+    keys = ("name", "bytes", "shape", "dtype", "kind", "op_name", "source", "start", "end")
+    return [tuple(b[k] for k in keys) for b in view["timeline"]["buffers"]]
+
+
+def test_report_data_holds_the_buffers_timeline_and_peak(report, report_page):
+    data = _data(report_page)
+    assert data["kind"] == "report"
+    (view,) = data["reports"]
+    b = report.buffers
+    assert view["name"] == report.name == "_mlp_loss"
+    assert _data_rows(view) == [tuple(r) for r in _buffer_rows(b.buffers)]
+    t = view["timeline"]
+    assert t["peak_buffers"] == [buf.name for buf in report.peak_buffers]
+    assert (t["peak_bytes"], t["peak_index"]) == (b.peak_bytes, b.peak_index)
+    assert t["timeline"] == list(report.timeline)
+    assert t["program"] == list(b.program)
+    assert view["peak_bytes"] == report.peak_bytes
+    figures = view["figures"]
+    assert (figures["temp_bytes"], figures["argument_bytes"], figures["output_bytes"]) == (
+        report.temp_bytes,
+        report.argument_bytes,
+        report.output_bytes,
+    )
+    tops = report.top_contributors(10)
+    assert [(g["key"], g["bytes"], g["names"]) for g in t["top_contributors"]] == [
+        (g.key, g.bytes, list(g.names)) for g in tops
+    ]
+
+
+def test_bands_are_those_of_the_png_timeline(report, report_page, monkeypatch, tmp_path):
+    """The page's bands, labels and live bytes are what plot_timeline draws."""
+    drawn = {}
+
+    def live_timeline(layers, labels, peak_index, peak_bytes, title, feature):
+        drawn.update(layers=np.asarray(layers), labels=list(labels), peak=peak_index)
+        return real(layers, labels, peak_index, peak_bytes, title, feature)
+
+    real = plots.live_timeline
+    monkeypatch.setattr(plots, "live_timeline", live_timeline)
+    report.plot_timeline(tmp_path / "t.png")
+    t = _data(report_page)["reports"][0]["timeline"]
+    assert [band["label"] for band in t["bands"]] == drawn["labels"]
+    assert np.array_equal(np.array(t["layers"]), drawn["layers"])
+    assert drawn["labels"][:-1] == [group_label(g) for g in report.top_contributors(6)]
+    # Every point's bands add up to the timeline; each peak buffer is in its group's band.
+    assert np.array(t["layers"]).sum(axis=0).tolist() == list(report.timeline)
+    band_of = {buf["name"]: buf["band"] for buf in t["buffers"]}
+    for i, g in enumerate(report.top_contributors(6)):
+        assert {band_of[name] for name in g.names} == {i}, g
+
+
+def test_comparison_data_holds_the_table_and_both_reports(comparison, comparison_page):
+    data = _data(comparison_page)
+    assert data["kind"] == "comparison" and data["baseline"] == "stock"
+    assert [r["name"] for r in data["reports"]] == ["stock", "remat"]
+    assert data["columns"] == ["temp", "argument", "output", "peak", "residual"]
+    fields = ("temp_bytes", "argument_bytes", "output_bytes", "peak_bytes", "residual_bytes")
+    for row, (label, rep) in zip(data["rows"], comparison.reports.items(), strict=True):
+        assert row["label"] == label
+        assert row["values"] == [getattr(rep, f) for f in fields]
+        expected = [comparison.ratio(label, f) for f in fields]
+        assert row["ratios"] == [r if np.isfinite(r) else None for r in expected]
+    for view, rep in zip(data["reports"], comparison.reports.values(), strict=True):
+        assert _data_rows(view) == [tuple(r) for r in _buffer_rows(rep.buffers.buffers)]
+        assert view["timeline"]["program"] == list(rep.buffers.program)
+        assert view["timeline"]["peak_bytes"] == rep.buffers.peak_bytes
+
+
+def test_markup_in_names_stays_data(report, tmp_path):
+    name = '</script><script>alert("x")</script> & <b>'
+    page = dataclasses.replace(report, name=name).to_html(tmp_path / "odd.html")
+    text = page.read_text(encoding="utf-8")
+    assert text.count("</script>") == 3  # the boot script, the data block, the viewer
+    assert _data(page)["reports"][0]["name"] == name
+    assert f"<title>Memory of {html.escape(name)}" in text
+
+
+def test_report_without_a_buffer_view_has_totals_only(report, tmp_path):
+    bare = dataclasses.replace(report, buffers=None, buffer_error="no dump (a test)")
+    (view,) = _data(bare.to_html(tmp_path / "bare.html"))["reports"]
+    assert view["timeline"] is None and view["buffer_error"] == "no dump (a test)"
+    assert view["figures"]["temp_bytes"] == report.temp_bytes
+
+
+def test_cli_html_writes_the_viewer_next_to_the_plots(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "plots"
+    status = cli.main(["profile", "tests.profile.profile_targets:mlp", "--out", str(out), "--html"])
+    printed, err = capsys.readouterr()
+    assert status == 0, err
+    page = out / "mlp_memory.html"
+    assert f"wrote {page}" in printed
+    (view,) = _data(page)["reports"]
+    assert view["name"] == "_mlp_loss"
+    fn, args = profile_targets.mlp()
+    expected = jaxmem.profile(fn, *args)
+    assert view["timeline"]["peak_bytes"] == expected.buffers.peak_bytes
+    assert {p.name for p in out.iterdir()} == {"mlp_memory.png", "mlp_timeline.png", page.name}
+    # Without --html, no page.
+    status = cli.main(["profile", "tests.profile.profile_targets:mlp", "--out", str(tmp_path)])
+    assert status == 0 and not (tmp_path / "mlp_memory.html").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# In a browser: headless Chromium
+
+# The flags and the console pattern are the screenshot script's (benchmarks/viewer_screenshot.py).
+
+
+def _find_chromium() -> str:
+    """Chromium's path; without one, skip, or fail where ``CI`` is set (CI must run these)."""
+    for name in BROWSERS:
+        if path := shutil.which(name):
+            return path
+    message = f"no Chromium ({', '.join(BROWSERS)}) on PATH; install it: apt-get install chromium"
+    if os.environ.get("CI"):
+        pytest.fail(f"{message}. CI is set, so the memory viewer's browser tests must run.")
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="module")
+def chromium():
+    return _find_chromium()
+
+
+def test_without_chromium_ci_fails_and_only_a_local_run_skips(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no browser on it
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI is set"):
+        _find_chromium()
+    monkeypatch.delenv("CI")
+    with pytest.raises(pytest.skip.Exception, match="apt-get install chromium"):
+        _find_chromium()
+
+
+@dataclasses.dataclass
+class Loaded:
+    """What Chromium printed for one page: the DOM after the scripts ran (without the scripts'
+    own text, the data block included: what remains is what they built), console messages."""
+
+    dom: str
+    console: list[str]
+
+
+def _open(chromium, url: str, *options: str) -> Loaded:
+    with tempfile.TemporaryDirectory(prefix="jaxmem-chromium-") as profile:
+        proc = subprocess.run(
+            [chromium, *FLAGS, f"--user-data-dir={profile}", *options, url],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    dom = re.sub(r"<script\b.*?</script>", "", proc.stdout, flags=re.DOTALL)
+    return Loaded(dom, [line for line in proc.stderr.splitlines() if CONSOLE.search(line)])
+
+
+def _dom(chromium, path, fragment: str = "") -> Loaded:
+    url = pathlib.Path(path).resolve().as_uri() + fragment
+    return _open(chromium, url, "--virtual-time-budget=2000", "--dump-dom")
+
+
+def _buffer_fragment(name: str, report: str | None = None) -> str:
+    query = {"buffer": name} if report is None else {"report": report, "buffer": name}
+    return "#" + urllib.parse.urlencode(query, quote_via=urllib.parse.quote)
+
+
+def _attr_values(dom: str, attribute: str) -> list[str]:
+    return [html.unescape(v) for v in re.findall(rf'\b{attribute}="([^"]*)"', dom)]
+
+
+def _detail(dom: str, index: int = 0) -> tuple[str | None, dict[str, str]]:
+    """The buffer a report's detail panel shows (its ``data-buffer``) and its fields' text."""
+    match = re.search(rf'<section[^>]*id="detail-{index}"[^>]*>(.*?)</section>', dom, re.DOTALL)
+    assert match, f"no detail panel {index}"
+    shown = re.search(r'data-buffer="([^"]*)"', match.group(0).split(">", 1)[0])
+    fields = {
+        key: " ".join(html.unescape(re.sub(r"<[^>]+>", " ", text)).split())
+        for key, text in re.findall(r'data-field="(\w+)"[^>]*>(.*?)</dd>', match.group(1), re.S)
+    }
+    return (html.unescape(shown.group(1)) if shown else None), fields
+
+
+def test_report_page_runs_cleanly_and_lists_the_buffers(chromium, report, report_page):
+    page = _dom(chromium, report_page)
+    assert page.console == []
+    assert 'data-viewer="ready"' in page.dom
+    names = _attr_values(page.dom, "data-buffer")
+    assert {b.name for b in report.buffers.buffers} <= set(names)
+    assert [n for n in names if n in {b.name for b in report.peak_buffers}][:3] == [
+        b.name
+        for b in report.peak_buffers[:3]  # the lanes: largest first
+    ]
+    assert _detail(page.dom)[0] is None  # nothing selected
+    assert f"peak {format_bytes(report.buffers.peak_bytes)}" in page.dom
+    for group in report.top_contributors(3):
+        assert html.escape(group_label(group), quote=False) in page.dom
+
+
+def test_fragment_opens_a_buffers_details(chromium, report, report_page):
+    buf = next(b for b in report.peak_buffers if b.source and b.shape)
+    page = _dom(chromium, report_page, _buffer_fragment(buf.name))
+    assert page.console == []
+    shown, fields = _detail(page.dom)
+    assert shown == buf.name
+    assert fields["shape"] == f"{buf.dtype}[{', '.join(map(str, buf.shape))}]"
+    assert fields["dtype"] == buf.dtype
+    assert fields["kind"].startswith(buf.kind)
+    assert fields["source"].startswith(os.path.basename(buf.source))
+    assert buf.source in fields["source"]
+    assert fields["op_name"] == buf.op_name
+    assert fields["live_range"].startswith(f"points {buf.start}–{buf.end}")
+    assert fields["at_peak"].startswith("live")
+
+
+def test_fragment_with_an_unknown_buffer_says_so(chromium, report_page):
+    page = _dom(chromium, report_page, _buffer_fragment("no.such.buffer"))
+    assert page.console == []
+    assert _detail(page.dom)[0] is None
+    assert "No buffer named" in page.dom and "no.such.buffer" in page.dom
+
+
+def test_comparison_page_shows_both_reports(chromium, comparison, comparison_page):
+    remat = comparison.reports["remat"]
+    buf = remat.peak_buffers[0]
+    page = _dom(chromium, comparison_page, _buffer_fragment(buf.name, report="remat"))
+    assert page.console == []
+    assert _attr_values(page.dom, "data-report") == ["stock", "remat"]
+    assert (_detail(page.dom, 0)[0], _detail(page.dom, 1)[0]) == (None, buf.name)
+    assert _detail(page.dom, 1)[1]["dtype"] == buf.dtype
+    names = set(_attr_values(page.dom, "data-buffer"))
+    for rep in comparison.reports.values():
+        assert {b.name for b in rep.peak_buffers} <= names
+    for label in comparison.reports:  # the comparison table, one row per label
+        assert re.search(rf'data-goto="\d">{label}</button>', page.dom), label
+
+
+def test_report_without_a_buffer_view_loads(chromium, report, tmp_path):
+    bare = dataclasses.replace(
+        report, name="<odd & name>", buffers=None, buffer_error="no dump (a test)"
+    )
+    page = _dom(chromium, bare.to_html(tmp_path / "bare.html"))
+    assert page.console == []
+    assert 'data-viewer="ready"' in page.dom
+    assert "no dump (a test)" in page.dom and "&lt;odd &amp; name&gt;" in page.dom
+
+
+def test_screenshot_shows_the_page(chromium, report_page, tmp_path):
+    shot = tmp_path / "viewer.png"
+    url = report_page.resolve().as_uri()
+    _open(chromium, url, f"--screenshot={shot}", "--window-size=1400,900")
+    data = shot.read_bytes()
+    assert data.startswith(PNG)
+    width, height = struct.unpack(">II", data[16:24])  # the IHDR chunk
+    assert (width, height) == (1400, 900)
+    pixels = matplotlib.image.imread(shot)[..., :3]
+    colours = np.unique((pixels * 255).astype(np.uint8).reshape(-1, 3), axis=0)
+    assert len(colours) > 50, "the screenshot is (nearly) blank"
+
+
+def test_console_check_flags_errors_and_network_use(chromium, report_page, tmp_path):
+    broken = tmp_path / "broken.html"
+    broken.write_text("<!DOCTYPE html><p>x</p><script>notDefinedAnywhere();</script>")
+    page = _dom(chromium, broken)
+    assert page.console and "notDefinedAnywhere" in page.console[0]
+    # The viewer page with a script from elsewhere added: its CSP blocks it, loudly.
+    text = report_page.read_text(encoding="utf-8")
+    fetching = tmp_path / "fetching.html"
+    fetching.write_text(text.replace("</head>", '<script src="https://cdn.invalid/x.js">'
+                                     "</script></head>", 1), encoding="utf-8")  # fmt: skip
+    page = _dom(chromium, fetching)
+    assert any("Content Security Policy" in line for line in page.console), page.console
+    assert 'data-viewer="ready"' in page.dom  # blocked, and the viewer still runs
