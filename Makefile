@@ -6,7 +6,7 @@
 # gets its own venv (.venv-3.13, .venv-3.11, ...), so versions coexist; each run prints the
 # Python and jax it uses. TEST_ARGS picks what pytest runs (default: the whole suite).
 #   make test-compat   the oldest supported set-up: PYTHON=python3.11 (pip gives jax 0.10.2),
-#                      TEST_ARGS="tests src/jaxmem README.md": everything but the notebooks and
+#                      TEST_ARGS="tests src/jaxmem README.md docs": everything but the notebooks and
 #                      the tests of the demo and benchmark scripts (SCRIPT_TESTS)
 #   make test PYTHON=python3.11 TEST_ARGS=tests/test_api.py   any interpreter, any selection
 
@@ -32,9 +32,9 @@ PYTEST_WORKERS ?= 2
 SLOW_FIRST = tests/remat/test_planner.py tests/flax/test_flax_nnx_upstream.py \
 	tests/flax/test_lm1b.py tests/flax/test_flax_nnx_memory.py tests/test_multiprocess.py \
 	tests/remat/test_heldout_gpt.py
-TEST_ARGS ?= --nbmake notebooks $(SLOW_FIRST) tests src/jaxmem README.md
+TEST_ARGS ?= --nbmake notebooks $(SLOW_FIRST) tests src/jaxmem README.md docs
 
-.PHONY: test test-compat demo bench lint format clean
+.PHONY: test test-compat demo bench notebooks docs lint format clean
 
 # Re-installs only when the project metadata changes (the stamp is newer otherwise).
 $(STAMP): pyproject.toml
@@ -49,7 +49,7 @@ test: $(STAMP)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadscope -q $(TEST_ARGS)
 
 test-compat:
-	$(MAKE) test PYTHON=python3.11 TEST_ARGS="$(SLOW_FIRST) tests src/jaxmem README.md $(SCRIPT_TESTS)"
+	$(MAKE) test PYTHON=python3.11 TEST_ARGS="$(SLOW_FIRST) tests src/jaxmem README.md docs $(SCRIPT_TESTS)"
 
 # The tests of the demo and benchmark scripts (code outside the library, whose JAX-dependent
 # parts the library tests cover on both versions) run on the newest Python only: CI time. So
@@ -71,6 +71,23 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run
+
+# Runs the notebooks at full size (CI unset) and saves them with their outputs, which GitHub and
+# the docs show; tests/test_notebooks.py fails until this is re-run after a code cell changes.
+# NOTEBOOKS="01 05" runs a subset.
+notebooks: $(STAMP)
+	$(PY) notebooks/execute.py $(NOTEBOOKS)
+
+# The documentation site (docs/, Sphinx) into docs/_build/html; a warning is an error. The docs
+# extra is installed once per venv, with its own stamp, again only when pyproject.toml changes.
+DOCS_STAMP := $(VENV)/.installed-docs
+
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e ".[docs]"
+	touch $(DOCS_STAMP)
+
+docs: $(STAMP) $(DOCS_STAMP)
+	$(VENV)/bin/sphinx-build -W --keep-going -b html docs docs/_build/html
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -1,6 +1,6 @@
 """jaxmem: make JAX training fit in less accelerator memory at (nearly) the same speed.
 
-The public face of the package. Implementation lives in :mod:`jaxmem._src`. :mod:`jaxmem.flax`
+The public face of the package (the implementation is private). :mod:`jaxmem.flax`
 is loaded on first use, so ``import jaxmem`` does not import Flax (an optional dependency:
 ``pip install jaxmem[flax]``).
 """

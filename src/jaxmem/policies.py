@@ -4,7 +4,7 @@ Frozen dataclasses (hashable, equal by value, printable, static-argument safe): 
 :data:`nothing`, :data:`everything`, :data:`dots`, :data:`dots_no_batch`; name-based
 :func:`save`, :func:`offload`, :func:`custom` (MaxText's per-name map) and :func:`selective`
 (Korthikanti et al. 2022); the combinator :func:`either` (``a | b``); and :func:`by_name` for
-config files. Names come from the vocabulary in :mod:`jaxmem._src.remat.names` (``jaxmem.name``).
+config files. Names come from the checkpoint-name vocabulary (``jaxmem.NAMES``, ``jaxmem.name``).
 
 Examples:
   >>> import jaxmem.policies as policies

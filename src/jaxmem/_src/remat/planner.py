@@ -238,7 +238,7 @@ class Plan:
 
     @property
     def policy(self) -> Callable:
-        """The remat policy: ``jaxmem.policies.save(*self.save)`` (a preset, or ``everything``
+        """The remat policy, ``jaxmem.policies.save(*self.save)`` (a preset, or ``everything``
         with no remat; offloaded names add ``jaxmem.policies.offload(...)``).
 
         Usable as ``jaxmem.scan(policy=...)``, in :mod:`jaxmem.flax` stacks and in
