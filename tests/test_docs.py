@@ -3,6 +3,7 @@ every public name; the README stays a front door."""
 
 import importlib
 import inspect
+import json
 import os
 import pkgutil
 import re
@@ -161,15 +162,40 @@ def _inventory(path):
     return {line.split(" ", 1)[0] for line in lines if " py:" in line}
 
 
-def test_the_built_site_documents_every_public_name():
-    inv = ROOT / "docs" / "_build" / "html" / "objects.inv"
+SITE = ROOT / "docs" / "_build" / "html"
+
+
+def _require_site(newer_than=()):
+    """Skips without a built site (or one older than ``newer_than``), except under CI, where
+    .ci/run builds the site before the tests: there a missing site fails."""
+    inv = SITE / "objects.inv"
     if not inv.is_file():
-        if os.environ.get("CI"):  # .ci/run builds the site before the tests
+        if os.environ.get("CI"):
             pytest.fail("no docs/_build/html under CI: .ci/run runs make docs first")
         pytest.skip("no docs/_build/html: run make docs")
+    if newer_than and inv.stat().st_mtime < max(p.stat().st_mtime for p in newer_than):
+        pytest.skip("docs/_build/html is older than its sources: run make docs")
+
+
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_the_built_site_shows_every_notebook_with_its_outputs(nb):
+    _require_site(newer_than=[nb])
+    cells = json.loads(nb.read_text(encoding="utf-8"))["cells"]
+    code = [c for c in cells if c["cell_type"] == "code"]
+    images = sum("image/png" in o.get("data", {}) for c in code for o in c.get("outputs", []))
+    page = (SITE / "notebooks" / f"{nb.stem}.html").read_text(encoding="utf-8")
+    assert page.count('class="cell_output') == sum(bool(c.get("outputs")) for c in code) > 0
+    assert page.count("<img") >= images > 0, f"{nb.name}'s figures are not on its page"
+
+
+def test_the_built_site_documents_every_public_name():
+    inv = SITE / "objects.inv"
+    _require_site()
     sources = [*API_PAGES, *(ROOT / "src" / "jaxmem").glob("**/__init__.py")]
     sources += [ROOT / "src" / "jaxmem" / f for f in ("policies.py", "offload.py", "losses.py")]
-    if inv.stat().st_mtime < max(p.stat().st_mtime for p in sources if p.is_file()):
-        pytest.skip("docs/_build/html is older than the API's sources: run make docs")
+    _require_site(newer_than=[p for p in sources if p.is_file()])
     missing = sorted(_public_names() - _inventory(inv))
     assert not missing, f"public names not in the built site's objects.inv: {missing}"
