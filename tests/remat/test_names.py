@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxmem._src import jax_compat as jc
 from jaxmem._src.remat.names import ATTENTION_CORE, NAMES, name
 from jaxmem.demo import models
 
@@ -24,6 +25,15 @@ def test_name_is_the_identity_with_a_checkpoint_name():
     assert [e.params["name"] for e in jaxpr.eqns] == ["mlp_act", "mlp_act"]
     out = name(x, "mlp_act")
     np.testing.assert_array_equal(out["a"], x["a"])
+
+
+def test_a_named_value_records_the_line_that_names_it():
+    def f(x):
+        return jnp.sum(name(jnp.sin(x), "mlp_in"))
+
+    (eqn,) = [e for e in jax.make_jaxpr(f)(jnp.ones(3)).eqns if e.primitive.name == "name"]
+    frame = jc.user_frame(eqn.source_info)
+    assert frame.file_name == __file__ and frame.function_name.endswith("<locals>.f")
 
 
 def test_unknown_names_are_refused_with_the_vocabulary():

@@ -35,6 +35,11 @@ from types import MappingProxyType
 from typing import Any
 
 from jax.ad_checkpoint import checkpoint_name
+from jax.extend import source_info_util as _siu
+
+# A named value's equation records the line that called name(), as one that called
+# jax.ad_checkpoint.checkpoint_name would, not this module's (what profiles show as its source).
+_siu.register_exclusion(__file__)
 
 NAMES = MappingProxyType(
     {
