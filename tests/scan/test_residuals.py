@@ -238,3 +238,21 @@ def test_gradients_through_inlined_calls_equal_lax_scan(recompute):
     got = jax.grad(lambda h, ws: loss(scan, h, ws), argnums=(0, 1))(h, ws)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(w))))
+
+
+def test_the_plan_is_the_same_at_every_trace():
+    # The kept values come out of the cut as a set, whose order follows the variables' ids: the
+    # stacks (and the compiled program) must follow the step's program order instead.
+    from jaxmem.demo import models
+
+    config = models.GPTConfig(
+        vocab_size=64, seq_len=16, num_layers=2, d_model=64, num_heads=2, d_ff=128
+    )
+    params = models.abstract_params(config, 2)
+    tokens = jax.ShapeDtypeStruct((2, config.seq_len), jnp.int32)
+
+    def text():
+        loss = models.next_token_loss(models.GPT(config, jaxmem.scan))
+        return str(jax.make_jaxpr(jax.grad(loss))(params, tokens))
+
+    assert len({text() for _ in range(4)}) == 1

@@ -343,6 +343,13 @@ def classify(traced: TracedStep, const_only: set, stores: Stores, from_y) -> tup
     return tuple(classes)
 
 
+def _in_program_order(jaxpr, variables) -> list:
+    """``variables`` (a set) in the order ``jaxpr`` binds them: constants, inputs, then each
+    equation's outputs."""
+    order = itertools.chain(jaxpr.constvars, jaxpr.invars, *(e.outvars for e in jaxpr.eqns))
+    return [v for v in order if v in variables]
+
+
 def _distinct_invars(groups: Sequence[Sequence]) -> list:
     """Input variables for a jaxpr from ``groups``; a repeated variable's later places (and
     literals) get fresh, unused variables: the caller passes the same value to each place."""
@@ -495,14 +502,17 @@ def plan_step(
     assert all(cheap(e) for e in recompute_eqns)
     read_by_bwd = set(targets) | {u for e in recompute_eqns for u in e.invars if _is_var(u)}
     eqn_outs = {v for e in traced.jaxpr.eqns for v in e.outvars}
+    # The cut's sets in program order: the loop's stacks, and so the compiled program, are the
+    # same in every process (a set of variables iterates in the order of their ids).
+    stored = _in_program_order(traced.jaxpr, stores.stored)
     hoisted = tuple(
         v
-        for v in dict.fromkeys(itertools.chain(targets, stores.stored, read_by_bwd))
+        for v in dict.fromkeys(
+            itertools.chain(targets, stored, _in_program_order(traced.jaxpr, read_by_bwd))
+        )
         if v in const_only and v in eqn_outs and v in available
     )
-    stacked = tuple(
-        v for v in dict.fromkeys(stores.stored) if v not in const_only and v not in y_vars
-    )
+    stacked = tuple(v for v in stored if v not in const_only and v not in y_vars)
     stack_carry = tuple(i in stores.kept_carry and from_y[i] < 0 for i in range(n_carry))
     carry_seq_y = tuple(
         traced.y_out.index(v) if stack_carry[i] and v in y_vars else -1
