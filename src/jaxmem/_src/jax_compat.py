@@ -377,6 +377,14 @@ def _symbolic_zero_types() -> tuple:
 SymbolicZeroTypes = _symbolic_zero_types()
 
 
+def is_differentiated(x) -> bool:
+    """Whether ``x`` is a tracer of an enclosing differentiation (a JVP or linearize trace:
+    ``jax.hessian``, grad of grad), not of ``jit``/``vmap`` alone. The tracer classes are
+    private (``jax._src.interpreters.ad.JVPTracer`` and ``LinearizeTracer``, 0.10.2 and 0.12),
+    so they are matched by name."""
+    return type(x).__name__ in ("JVPTracer", "LinearizeTracer")
+
+
 def is_symbolic_zero(t) -> bool:
     """Whether ``t`` is a symbolic zero (internal ``ad.Zero`` or public ``SymbolicZero``)."""
     return isinstance(t, SymbolicZeroTypes)

@@ -67,7 +67,9 @@ def _check_length(length: Any, fname: str) -> int:
     return int(length)
 
 
-def _check_scan_options(policy, offload, recompute, unroll, checkpoints, fname: str) -> ScanOptions:
+def _check_scan_options(
+    policy, offload, recompute, unroll, checkpoints, fname: str, compress=None
+) -> ScanOptions:
     """Every loop option of a stack or scan, checked (a preset policy name resolved)."""
     return ScanOptions.create(
         fname,
@@ -76,6 +78,7 @@ def _check_scan_options(policy, offload, recompute, unroll, checkpoints, fname: 
         recompute=recompute,
         unroll=unroll,
         checkpoints=checkpoints,
+        compress=compress,
     )
 
 
@@ -339,9 +342,12 @@ def _linen_scan(
     checkpoints,
     carry_only,
     fname,
+    compress=None,
 ):
     """The one implementation behind :func:`scan` and :func:`scan_layers`: checks, then lifts."""
-    policy = _check_scan_options(policy, offload, recompute, unroll, checkpoints, fname).policy
+    policy = _check_scan_options(
+        policy, offload, recompute, unroll, checkpoints, fname, compress
+    ).policy
     if split_transpose:
         raise NotImplementedError(_split_transpose_message(fname))
     if length is not None:
@@ -361,6 +367,7 @@ def _linen_scan(
         "offload": offload,
         "recompute": recompute,
         "checkpoints": checkpoints,
+        "compress": compress,
     }
     return _compat.lift_transform(
         _lift_transform(carry_only, fname, scan_kwargs),
@@ -402,6 +409,7 @@ def scan(
     offload: str | tuple[str, ...] | None = None,
     recompute: str = "auto",
     checkpoints: int | str | None = None,
+    compress: str | None = None,
 ) -> Any:
     """``flax.linen.scan`` with :func:`jaxmem.scan` as its loop: same signature, lean VJP.
 
@@ -520,6 +528,7 @@ def scan(
         checkpoints=checkpoints,
         carry_only=False,
         fname="jaxmem.flax.linen.scan",
+        compress=compress,
     )
 
 
@@ -553,6 +562,7 @@ def scan_layers(
     offload: str | tuple[str, ...] | None = None,
     recompute: str = "auto",
     checkpoints: int | str | None = None,
+    compress: str | None = None,
     in_axes: Any = broadcast,
     out_axes: Any = 0,
     variable_axes: Mapping[Any, int] = _DEFAULT_VARIABLE_AXES,
@@ -590,6 +600,8 @@ def scan_layers(
       recompute: as in :func:`jaxmem.scan` (``"auto"``, ``"cheap"`` or ``"none"``).
       checkpoints: as in :func:`jaxmem.scan` (binomial checkpointing of the layer loop: at most
         ``k`` carries stored, ``"sqrt"`` for ``ceil(sqrt(length))``; None: the lean VJP).
+      compress: as in :func:`jaxmem.scan` (the kept float values in fewer bits: ``"bf16"``,
+        ``"fp8"``, ``"int8"``; lossy, docs/compress.md).
       in_axes: prefix tree over the positional args after the carry; ints scan, and
         :data:`flax.linen.broadcast` broadcasts.
       out_axes: stacking axis of the ``y`` outputs (only with ``carry_only=False``).
@@ -674,6 +686,7 @@ def scan_layers(
         checkpoints=checkpoints,
         carry_only=bool(carry_only),
         fname=fname,
+        compress=compress,
     )
 
 

@@ -182,6 +182,7 @@ def _loop(f, init, xs, length=None, reverse=False, unroll=1, _split_transpose=Fa
         offload=options.offload,
         recompute=options.recompute,
         checkpoints=options.checkpoints,
+        compress=options.compress,
     )
     return tree_unflatten(traced.carry_tree, final), tree_unflatten(traced.y_tree, ys)
 
@@ -202,6 +203,7 @@ def scan(
     offload: str | tuple[str, ...] | None = None,
     recompute: str = "auto",
     checkpoints: int | str | None = None,
+    compress: str | None = None,
 ) -> Callable:
     """``flax.nnx.scan`` run by :func:`jaxmem.scan`: same arguments and semantics, lean VJP.
 
@@ -235,6 +237,8 @@ def scan(
       checkpoints: as in :func:`jaxmem.scan` (binomial checkpointing of the loop: at most
         ``k`` carries stored, ``"sqrt"`` for ``ceil(sqrt(length))``; None: the lean VJP).
         State updates and values are ``nnx.scan``'s either way.
+      compress: as in :func:`jaxmem.scan` (the kept float values in fewer bits: ``"bf16"``,
+        ``"fp8"``, ``"int8"``; lossy, docs/compress.md).
 
     Returns:
       The scanned function (or, with ``f=None``, a decorator making one).
@@ -269,7 +273,7 @@ def scan(
       True
     """
     fname = "jaxmem.flax.nnx.scan"
-    options = _check_scan_options(policy, offload, recompute, unroll, checkpoints, fname)
+    options = _check_scan_options(policy, offload, recompute, unroll, checkpoints, fname, compress)
     opts = dict(
         length=length,
         reverse=reverse,
@@ -330,6 +334,7 @@ class ScanLayers(nnx.Module):
         ``k`` carries stored, ``"sqrt"`` for ``ceil(sqrt(length))``; None: the lean VJP).
       reverse: run the layers from last to first.
       unroll: loop unrolling, passed to :func:`jaxmem.scan`.
+      compress: as in :func:`jaxmem.scan` (the kept float values in fewer bits, lossy).
       transform_metadata: as ``nnx.vmap``'s and ``nnx.scan``'s: with
         ``{nnx.PARTITION_NAME: axis}`` the layer axis is added to (at creation) and removed from
         (in each step) the variables' sharding metadata, so annotated layers are sharded as
@@ -383,13 +388,15 @@ class ScanLayers(nnx.Module):
         reverse: bool = False,
         unroll: int = 1,
         transform_metadata: Mapping[str, Any] = FrozenDict({}),
+        compress: str | None = None,
     ):
         fname = "jaxmem.flax.nnx.ScanLayers"
         _check_make_block(make_block, fname)
         self.length = _check_length(length, fname)
         self.policy = _check_scan_options(
-            policy, offload, recompute, unroll, checkpoints, fname
+            policy, offload, recompute, unroll, checkpoints, fname, compress
         ).policy
+        self.compress = compress
         self.offload = offload
         self.recompute = recompute
         self.checkpoints = checkpoints
@@ -433,6 +440,7 @@ class ScanLayers(nnx.Module):
             offload=self.offload,
             recompute=self.recompute,
             checkpoints=self.checkpoints,
+            compress=self.compress,
         )
         return forward(self.layers, x)
 
@@ -471,6 +479,7 @@ def scan_layers(
     reverse: bool = False,
     unroll: int = 1,
     transform_metadata: Mapping[str, Any] = FrozenDict({}),
+    compress: str | None = None,
 ) -> ScanLayers:
     """Builds a :class:`ScanLayers` stack: ``length`` NNX blocks applied by :func:`jaxmem.scan`.
 
@@ -489,6 +498,7 @@ def scan_layers(
       unroll: loop unrolling.
       transform_metadata: as :class:`ScanLayers` (``{nnx.PARTITION_NAME: axis}`` for sharded
         layers).
+      compress: as in :func:`jaxmem.scan` (the kept float values in fewer bits, lossy).
 
     Returns:
       The :class:`ScanLayers` module.
@@ -520,6 +530,7 @@ def scan_layers(
         reverse=reverse,
         unroll=unroll,
         transform_metadata=transform_metadata,
+        compress=compress,
     )
 
 

@@ -164,7 +164,7 @@ class Optimized:
 
 
 def _plan_options(options: dict) -> dict:
-    return {k: v for k, v in options.items() if k in ("recompute", "policy", "offload")}
+    return {k: v for k, v in options.items() if k in ("recompute", "policy", "offload", "compress")}
 
 
 def _is_array(x) -> bool:
@@ -178,6 +178,7 @@ def optimize(
     policy: Any = None,
     offload: Any = None,
     checkpoints: Any = None,
+    compress: str | None = None,
     chunk_loss: bool = False,
     options: Callable | None = None,
 ):
@@ -198,11 +199,12 @@ def optimize(
 
     Args:
       fn: the function (usable as ``@jaxmem.optimize`` or ``@jaxmem.optimize(...)``).
-      recompute, policy, offload, checkpoints: :func:`jaxmem.scan`'s options, for every scan.
+      recompute, policy, offload, checkpoints, compress: :func:`jaxmem.scan`'s options, for
+        every scan (``compress``: the kept float values in fewer bits, lossy; docs/compress.md).
       chunk_loss: also run :func:`jaxmem.autochunk` on the function (a scalar loss whose tail is
         row-wise is computed in chunks).
       options: ``options(scan) -> dict``, :func:`jaxmem.scan`'s options for one scan (it has
-        ``.source``, ``.length``, ``.reverse``, ``.init`` and ``.xs``), in place of the four above.
+        ``.source``, ``.length``, ``.reverse``, ``.init`` and ``.xs``), in place of the five above.
 
     Returns:
       An :class:`Optimized` function with ``fn``'s signature and ``.explain(*args, **kwargs)``.
@@ -225,12 +227,18 @@ def optimize(
       rewritten: scan of 8 steps at ...
     """
     fname = "jaxmem.optimize"
-    given = dict(recompute=recompute, policy=policy, offload=offload, checkpoints=checkpoints)
+    given = dict(
+        recompute=recompute,
+        policy=policy,
+        offload=offload,
+        checkpoints=checkpoints,
+        compress=compress,
+    )
     if options is not None:
         if any(v is not None for k, v in given.items() if k != "recompute") or recompute != "auto":
             raise TypeError(
                 f"{fname}: pass either options= (a function of the scan) or recompute/policy/"
-                "offload/checkpoints, not both"
+                "offload/checkpoints/compress, not both"
             )
         choose = options
     else:

@@ -15,6 +15,7 @@ from jax.tree_util import tree_unflatten
 
 from jaxmem._src import jax_compat as _jc
 from jaxmem._src import listing as _listing
+from jaxmem._src.scan import compress as _compress
 from jaxmem._src.scan import jaxprs as _jaxprs
 from jaxmem._src.scan import residuals as _res
 from jaxmem._src.scan import summary as _summary
@@ -78,6 +79,33 @@ class _Plan:
     offload_stacked: tuple[bool, ...]  # per partial activation: kept in host memory
     offload_carry: tuple[bool, ...]  # per kept carry sequence: kept in host memory
     packed: tuple[int | None, ...]  # per partial activation: a mask kept as bits (its length)
+    enc_stacked: tuple[_compress.Encoding, ...]  # per partial activation: how it is stored
+    enc_carry: tuple[_compress.Encoding, ...]  # per kept carry sequence: how it is stored
+
+
+def _encodings(step: _res.StepPlan, compress: str | None):
+    """How each partial activation and each kept carry sequence is stored under ``compress``
+    (a sequence that is a ys stack is read back as it is; the rules are
+    :mod:`jaxmem._src.scan.compress`'s)."""
+    jaxpr = step.traced.jaxpr
+
+    def encoding(v, compress):
+        if compress is None or _jaxprs.packs_bits(v.aval):
+            return _compress.choose(v.aval, None)
+        return _compress.choose(
+            v.aval,
+            compress,
+            compress in ("fp8", "int8") and _compress.feeds_exp(jaxpr, v),
+            _compress.is_statistic(jaxpr, v),
+        )
+
+    stacked = tuple(encoding(v, compress) for v in step.stacked_vars)
+    carry = tuple(
+        encoding(v, compress if j < 0 else None)
+        for v, keep, j in zip(step.carry_invars, step.stack_carry, step.carry_seq_y, strict=True)
+        if keep
+    )
+    return stacked, carry
 
 
 class _Saved(NamedTuple):
@@ -97,7 +125,9 @@ class _LeanScan:
     """The custom VJP of one :func:`scan`: a forward loop that emits the partial activations
     and a reverse loop that rebuilds each step's residuals from them (docs/design.md §2)."""
 
-    def __init__(self, body, length, reverse, unroll, recompute, offload, fname, spaces=None):
+    def __init__(
+        self, body, length, reverse, unroll, recompute, offload, fname, spaces=None, compress=None
+    ):
         # The body without its traced constants: they are the custom VJP's first argument, and
         # a reference here (kept alive by the rules) would leak the enclosing trace's tracers.
         self.body = _Body(body.jaxpr, [], body.n_carry, body.carry_tree, body.y_tree)
@@ -110,6 +140,7 @@ class _LeanScan:
         self.fname = fname
         # Memory spaces of the inputs: inputs in host memory get their cotangents there.
         self.spaces = spaces
+        self.compress = compress
 
     @functools.cached_property
     def plan(self) -> _Plan:
@@ -121,19 +152,23 @@ class _LeanScan:
             jaxpr, self.n_consts, self.body.n_carry, in_avals, self.recompute, names
         )
         stacked, carry = _offload_masks(step, self.offload, self.fname)
+        encodings = _encodings(step, self.compress)
         collectors = _PLAN_COLLECTORS.get()
         if collectors:  # The summary traces stock lax.scan: only when someone asks.
-            summary = self.summary(step)
+            summary = self.summary(step, encodings)
             for collector in collectors:
                 collector.append(summary)
         packed = tuple(
             v.aval.shape[-1] if _jaxprs.packs_bits(v.aval) else None for v in step.stacked_vars
         )
-        return _Plan(step, tuple(stacked), tuple(carry), packed)
+        return _Plan(step, tuple(stacked), tuple(carry), packed, *encodings)
 
-    def summary(self, step) -> ScanPlan:
+    def summary(self, step, encodings=None) -> ScanPlan:
         return _summary.summarize(
-            step, self.length, _stock_stacked_bytes(self.body, step, self.length)
+            step,
+            self.length,
+            _stock_stacked_bytes(self.body, step, self.length),
+            encodings=encodings,
         )
 
     def _scan(self, f, init, xs, reverse):
@@ -143,6 +178,15 @@ class _LeanScan:
         return _primal_scan(self, consts, init, xs)
 
     def _fwd(self, consts, init, xs):
+        if self.compress is not None and any(
+            _jc.is_differentiated(x) for x in (*consts, *init, *xs)
+        ):
+            raise NotImplementedError(
+                f"{self.fname} got compress={self.compress!r} under higher-order "
+                "differentiation (jax.hessian, grad of grad): the compressed values it keeps "
+                "are integer bits, through which no derivative flows, so the result would be "
+                "wrong. Use compress=None for higher-order derivatives."
+            )
         plan = self.plan
         step_plan = plan.step
         n_carry, n_y = self.body.n_carry, len(step_plan.y_outvars)
@@ -155,17 +199,24 @@ class _LeanScan:
             c_out, y, stacked = outs[:n_carry], outs[n_carry : n_carry + n_y], outs[n_carry + n_y :]
             stacked = [_pack(v) if n else v for v, n in zip(stacked, plan.packed, strict=True)]
             stacked = [
-                _to_host(v) if off else v
+                _compress.encode(v, e) for v, e in zip(stacked, plan.enc_stacked, strict=True)
+            ]
+            stacked = [
+                jax.tree.map(_to_host, v) if off else v
                 for v, off in zip(stacked, plan.offload_stacked, strict=True)
             ]
-            kept = [_to_host(carry[i]) if off else carry[i] for i, off in emitted]
+            kept = [_compress.encode(carry[i], e) for i, _, e in emitted]
+            kept = [
+                jax.tree.map(_to_host, v) if off else v
+                for v, (_, off, _) in zip(kept, emitted, strict=True)
+            ]
             return list(c_out), (list(y), stacked, kept)
 
         # Kept carry sequences; one whose carry-in is a y output is that ys stack (not emitted).
         kept_leaves = [i for i, keep in enumerate(step_plan.stack_carry) if keep]
         emitted = [
-            (i, off)
-            for i, off in zip(kept_leaves, plan.offload_carry, strict=True)
+            (i, off, enc)
+            for i, off, enc in zip(kept_leaves, plan.offload_carry, plan.enc_carry, strict=True)
             if step_plan.carry_seq_y[i] < 0
         ]
         final, (ys, stacked, carry_seq) = self._scan(step, list(init), list(xs), self.reverse)
@@ -231,15 +282,20 @@ class _LeanScan:
             ct_carry, ct_consts, c_out = bcarry
             t, x, y_read, stacked_t, c_in, ct_y = inp
             stacked_t = [
-                _to_device(v) if off else v
+                jax.tree.map(_to_device, v) if off else v
                 for v, off in zip(stacked_t, plan.offload_stacked, strict=True)
+            ]
+            stacked_t = [
+                _compress.decode(v, e) for v, e in zip(stacked_t, plan.enc_stacked, strict=True)
             ]
             stacked_t = [
                 _unpack(v, n) if n else v for v, n in zip(stacked_t, plan.packed, strict=True)
             ]
             c_in = [
-                _to_device(c) if off else c for c, off in zip(c_in, plan.offload_carry, strict=True)
+                jax.tree.map(_to_device, c) if off else c
+                for c, off in zip(c_in, plan.offload_carry, strict=True)
             ]
+            c_in = [_compress.decode(c, e) for c, e in zip(c_in, plan.enc_carry, strict=True)]
             res = rebuild(
                 *saved.consts,
                 *saved.hoisted,

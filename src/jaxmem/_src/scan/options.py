@@ -14,6 +14,7 @@ from jaxmem._src import checks
 from jaxmem._src import jax_compat as _jc
 from jaxmem._src.remat import auto as _auto
 from jaxmem._src.remat import presets as _presets
+from jaxmem._src.scan import compress as _compress
 from jaxmem._src.scan import schedule as _schedule
 
 
@@ -31,6 +32,8 @@ class ScanOptions:
       checkpoints: None (the lean VJP), a positive int (the most carries stored) or ``"sqrt"``,
         as given: resolved against the length (``"sqrt"``, a count above it clamped) when the
         loop runs (:func:`check_checkpoints`).
+      compress: None or one of :data:`COMPRESS_FORMATS`: the format the kept float values are
+        stored in between the forward and the backward pass (docs/compress.md).
 
     Examples:
       >>> opts = ScanOptions.create("jaxmem.scan", offload=("mlp_in",), unroll=2)
@@ -40,6 +43,10 @@ class ScanOptions:
       Traceback (most recent call last):
       ...
       ValueError: jaxmem.scan got recompute='some'; expected one of 'auto', 'cheap', 'none'.
+      >>> ScanOptions.create("jaxmem.scan", compress="fp4")
+      Traceback (most recent call last):
+      ...
+      ValueError: jaxmem.scan got compress='fp4'; expected None or one of 'bf16', 'fp8', 'int8'.
     """
 
     fname: str
@@ -48,6 +55,7 @@ class ScanOptions:
     recompute: str = "auto"
     unroll: int | bool = 1
     checkpoints: int | str | None = None
+    compress: str | None = None
 
     @classmethod
     def create(
@@ -59,9 +67,10 @@ class ScanOptions:
         recompute: str = "auto",
         unroll: int | bool = 1,
         checkpoints: int | str | None = None,
+        compress: str | None = None,
     ) -> ScanOptions:
         """Checks every option (in this order: policy, offload, recompute, unroll, checkpoints
-        with its offload), naming ``fname`` in the errors."""
+        with its offload, compress with its checkpoints), naming ``fname`` in the errors."""
         offload = check_offload(offload, fname)
         opts = cls(
             fname=fname,
@@ -70,9 +79,16 @@ class ScanOptions:
             recompute=check_recompute(recompute, fname),
             unroll=check_unroll(unroll, fname),
             checkpoints=checkpoints,
+            compress=check_compress(compress, fname),
         )
         # A bad value fails the same way for every length; the count is resolved when it is known.
         check_checkpoints(checkpoints, offload, 1, fname)
+        if compress is not None and checkpoints is not None:
+            raise ValueError(
+                f"{fname} got compress={compress!r} with checkpoints={checkpoints!r}: compress "
+                "encodes the values the lean VJP stacks, and a checkpointed scan stacks only its "
+                "checkpointed carries; use one or the other."
+            )
         return opts
 
 
@@ -134,6 +150,19 @@ def check_recompute(recompute, fname: str) -> str:
             f"{', '.join(map(repr, RECOMPUTE_MODES))}."
         )
     return recompute
+
+
+COMPRESS_FORMATS = _compress.FORMATS
+
+
+def check_compress(compress, fname: str) -> str | None:
+    """``compress`` checked: None or one of :data:`COMPRESS_FORMATS`."""
+    if compress is None or (isinstance(compress, str) and compress in COMPRESS_FORMATS):
+        return compress
+    raise ValueError(
+        f"{fname} got compress={compress!r}; expected None or one of "
+        f"{', '.join(map(repr, COMPRESS_FORMATS))}."
+    )
 
 
 OFFLOAD_MODES = ("residuals", "carries", "all")

@@ -48,6 +48,7 @@ class LoopConfig:
     offload: Any
     unroll: int | bool
     slots_arg: int | str | None  # the checkpoints argument (None: the lean VJP)
+    compress: str | None = None  # the format of the lean VJP's kept float values
 
 
 def run(f, init, xs, length, reverse: bool, config: LoopConfig):
@@ -59,7 +60,7 @@ def run(f, init, xs, length, reverse: bool, config: LoopConfig):
     if slots is None:
         rules = _LeanScan(
             body, length, reverse, config.unroll, config.recompute, config.offload,
-            config.fname, spaces,
+            config.fname, spaces, config.compress,
         )  # fmt: skip
     else:
         rules = _CheckpointedScan(

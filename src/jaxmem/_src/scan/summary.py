@@ -27,6 +27,8 @@ class PlannedResidual:
       kind: one of ``"xs"``, ``"const"``, ``"carry"``, ``"ys"``, ``"recomputed"``, ``"stacked"``;
         ``"checkpoint"`` for a carry leaf a checkpointed scan stores (``ScanPlan.stacked``).
       source: ``file:line (function)`` of the operation that produced it, or the input it is.
+      encoding: for a value kept under ``compress``, the format it is stored in (``"bf16"``,
+        ``"fp8"``, ``"int8"``; ``bytes`` is then the encoded size, scales included), else None.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -42,6 +44,7 @@ class PlannedResidual:
     bytes: int
     kind: str
     source: str
+    encoding: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +113,8 @@ class ScanPlan:
 
     def __str__(self) -> str:
         def row(r):
-            return f"  {r.dtype}{list(r.shape)!s:<18} {r.bytes:>12,d} B  {r.kind:<10} {r.source}"
+            kind = r.kind if r.encoding is None else f"{r.kind}:{r.encoding}"
+            return f"  {r.dtype}{list(r.shape)!s:<18} {r.bytes:>12,d} B  {kind:<10} {r.source}"
 
         lines = [f"scan plan: {self.length} steps, {len(self.residuals)} residuals per step"]
         lines += [row(r) for r in self.residuals]
@@ -139,10 +143,16 @@ def _var_source(eqn_of, v, role: str) -> str:
 
 
 def summarize(
-    plan: StepPlan, length: int, stock_stacked_bytes: int | None, schedule: Any = None
+    plan: StepPlan,
+    length: int,
+    stock_stacked_bytes: int | None,
+    schedule: Any = None,
+    encodings: Any = None,
 ) -> ScanPlan:
     """The public :class:`ScanPlan` of an analysed step (of a checkpointed scan with
-    ``schedule``, a :class:`jaxmem.CheckpointSchedule`: its checkpoints are its only stack)."""
+    ``schedule``, a :class:`jaxmem.CheckpointSchedule`: its checkpoints are its only stack;
+    under ``compress``, ``encodings`` is how each partial activation and each kept carry
+    sequence is stored, :func:`jaxmem._src.scan.lean._encodings`)."""
     jaxpr = plan.traced.jaxpr
     eqn_of = {v: e for e in jaxpr.eqns for v in e.outvars}
     role = {}
@@ -153,27 +163,38 @@ def summarize(
     for v in plan.x_invars:
         role[v] = "xs"
 
-    def planned(v, kind):
+    def planned(v, kind, enc=None):
         aval = v.aval
+        nbytes = kept_bytes(aval) if kind == "stacked" else _nbytes(aval)
+        encoded = enc is not None and enc.format is not None
         return PlannedResidual(
             shape=tuple(aval.shape),
             dtype=str(aval.dtype) if hasattr(aval, "dtype") else "",
-            bytes=kept_bytes(aval) if kind == "stacked" else _nbytes(aval),
+            bytes=enc.nbytes if encoded else nbytes,
             kind=kind,
             source=("literal" if not _is_var(v) else _var_source(eqn_of, v, role.get(v, "const"))),
+            encoding=enc.format if encoded else None,
         )
+
+    kept_carry = [
+        (v, j)
+        for v, keep, j in zip(plan.carry_invars, plan.stack_carry, plan.carry_seq_y, strict=True)
+        if keep
+    ]
+    enc_stacked, enc_carry = encodings or (
+        [None] * len(plan.stacked_vars),
+        [None] * len(kept_carry),
+    )
 
     residuals = tuple(
         planned(v, kind) for v, kind in zip(plan.res_outvars, plan.res_classes, strict=True)
     )
     stacked = (
-        tuple(planned(v, "stacked") for v in plan.stacked_vars)
+        tuple(planned(v, "stacked", e) for v, e in zip(plan.stacked_vars, enc_stacked, strict=True))
         + tuple(
-            planned(v, "carry")
-            for v, keep, j in zip(
-                plan.carry_invars, plan.stack_carry, plan.carry_seq_y, strict=True
-            )
-            if keep and j < 0  # a kept sequence that is a ys stack is listed as that y
+            planned(v, "carry", e)
+            for (v, j), e in zip(kept_carry, enc_carry, strict=True)
+            if j < 0  # a kept sequence that is a ys stack is listed as that y
         )
         + tuple(
             planned(v, "ys") for v, need in zip(plan.y_outvars, plan.need_y, strict=True) if need

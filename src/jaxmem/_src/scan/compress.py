@@ -1,0 +1,205 @@
+"""Compressed residuals: the float values a lean scan keeps for its backward pass, stored in
+fewer bits (``jaxmem.scan(compress=...)``, docs/compress.md).
+
+A kept value is *encoded* in the forward step and *decoded* in the backward step; nothing is
+recomputed, so the gradient's FLOPs are those of ``compress=None`` plus the (elementwise) codec.
+The encoded payload is stored as raw bits (``uint16`` for bf16, ``uint8`` for fp8, ``int8``):
+XLA:CPU does not reliably keep narrow float dtypes at their width in a loop's stacks (jax 0.12
+kept float8 at 2 bytes a value, 0.10.2 kept bfloat16 in f32), an integer stack it does.
+
+Formats (a *format* is chosen per kept value by :func:`choose`):
+
+- ``"bf16"``: rounded to bfloat16 (relative error at most 2**-9), no scale.
+- ``"fp8"``: float8_e4m3fn times one f32 scale per row of the last axis (the row's absolute
+  maximum over 448): relative error at most 2**-4 of each element, within its row's range.
+- ``"int8"``: round-to-nearest int8 times one f32 scale per row (absmax over 127): absolute
+  error at most half a step, ``absmax(row) / 254``.
+
+Rules (:func:`choose`): only real floating-point values wider than the format are encoded
+(booleans are packed to bits elsewhere; integers, complex values and narrower floats are kept as
+they are). fp8 and int8 need rows of at least :data:`MIN_ROW` elements (a shorter row costs more
+in its 4-byte scale than it saves; such a value is kept uncompressed). Under ``"fp8"`` and
+``"int8"``, a value that feeds ``exp`` in the step (attention scores, from which softmax is
+recomputed) is stored as bf16: ``exp`` turns an absolute error into a relative one (fp8's 1/16
+relative error of a large score made a small GPT's training diverge, final loss 2.7x the
+lossless run's), and a row scale is useless for a masked row (``where(mask, s, finfo.min)``: its
+absolute maximum is the mask's fill, and every real score would encode to 0; measured on the
+transformer stack, a gradient error of 2e2 under int8). A *row statistic* (a value computed from
+a reduction by elementwise steps: a norm's mean and inverse deviation, softmax's maximum and
+sum, :func:`is_statistic`) is kept as it is under every format: it costs one value per row, and
+its error would scale its whole row alike (fp8 norm statistics measured a gradient error of 1e-1
+on a small attention stack, against 1e-2 kept exact).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmem._src import jax_compat as jc
+
+FORMATS = ("bf16", "fp8", "int8")
+
+# Rows shorter than this keep their value uncompressed under the scaled formats (fp8, int8).
+MIN_ROW = 16
+
+_FP8 = jnp.float8_e4m3fn
+_FP8_MAX = float(jnp.finfo(_FP8).max)  # 448
+_INT8_MAX = 127.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoding:
+    """How one kept value is stored: its format (None: as it is) and its type."""
+
+    format: str | None
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one step's value takes encoded (payload and scales)."""
+        n = int(np.prod(self.shape, dtype=np.int64))
+        if self.format is None:
+            return n * np.dtype(self.dtype).itemsize
+        if self.format == "bf16":
+            return 2 * n
+        rows = int(np.prod(self.shape[:-1], dtype=np.int64))
+        return n + 4 * rows
+
+
+def _is_real_float(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+def choose(
+    aval, compress: str | None, feeds_exp: bool = False, statistic: bool = False
+) -> Encoding:
+    """The encoding of a kept value of type ``aval`` under ``compress`` (rules in the module
+    docstring).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> choose(jax.ShapeDtypeStruct((4, 64), jnp.float32), "fp8").format
+      'fp8'
+      >>> choose(jax.ShapeDtypeStruct((4, 8), jnp.float32), "fp8").format is None  # short rows
+      True
+      >>> choose(jax.ShapeDtypeStruct((4, 64), jnp.float32), "int8", feeds_exp=True).format
+      'bf16'
+      >>> choose(jax.ShapeDtypeStruct((4, 64), jnp.int32), "int8").format is None
+      True
+      >>> choose(jax.ShapeDtypeStruct((4, 64), jnp.float32), "bf16", statistic=True).format is None
+      True
+    """
+    shape, dtype = tuple(aval.shape), np.dtype(aval.dtype)
+    keep = Encoding(None, shape, dtype)
+    if compress is None or statistic or not _is_real_float(dtype):
+        return keep
+    fmt = "bf16" if feeds_exp else compress
+    if fmt != "bf16" and (not shape or shape[-1] < MIN_ROW):
+        return keep
+    enc = Encoding(fmt, shape, dtype)
+    return enc if enc.nbytes < keep.nbytes else keep
+
+
+def encode(x, enc: Encoding):
+    """``x`` as stored: itself (format None), or a tuple of arrays (bits, and scales per row)."""
+    if enc.format is None:
+        return x
+    if enc.format == "bf16":
+        return (jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16),)
+    xf = x.astype(jnp.float32)
+    absmax = jnp.max(jnp.abs(xf), axis=-1)
+    top = _FP8_MAX if enc.format == "fp8" else _INT8_MAX
+    # A zero (or non-finite) row gets scale 1: its zeros encode exactly.
+    scale = jnp.where(jnp.isfinite(absmax) & (absmax > 0), absmax / top, 1.0)
+    q = xf / scale[..., None]
+    if enc.format == "fp8":
+        bits = jax.lax.bitcast_convert_type(jnp.clip(q, -top, top).astype(_FP8), jnp.uint8)
+    else:
+        bits = jnp.clip(jnp.round(q), -top, top).astype(jnp.int8)
+    return (bits, scale)
+
+
+def decode(stored, enc: Encoding):
+    """The value :func:`encode` stored, back in its own dtype."""
+    if enc.format is None:
+        return stored
+    if enc.format == "bf16":
+        (bits,) = stored
+        return jax.lax.bitcast_convert_type(bits, jnp.bfloat16).astype(enc.dtype)
+    bits, scale = stored
+    q = jax.lax.bitcast_convert_type(bits, _FP8) if enc.format == "fp8" else bits
+    return (q.astype(jnp.float32) * scale[..., None]).astype(enc.dtype)
+
+
+_REDUCTIONS = frozenset(
+    {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin", "reduce_and"}
+)
+_ELEMENTWISE_DEPTH = 8
+
+
+def is_statistic(jaxpr, var) -> bool:
+    """Whether ``var`` of ``jaxpr`` is a reduction's output, or one taken through at most
+    :data:`_ELEMENTWISE_DEPTH` equations that keep its shape (``rsqrt(mean(x**2) + eps)``)."""
+    eqn_of = {v: e for e in jaxpr.eqns for v in e.outvars}
+    frontier = [var]
+    for _ in range(_ELEMENTWISE_DEPTH):
+        nxt = []
+        for v in frontier:
+            eqn = eqn_of.get(v) if jc.is_var(v) else None
+            if eqn is None:
+                continue
+            if eqn.primitive.name in _REDUCTIONS:
+                return True
+            shape = tuple(v.aval.shape)
+            nxt += [
+                u
+                for u in eqn.invars
+                if jc.is_var(u) and tuple(getattr(u.aval, "shape", ())) in (shape, (*shape, 1))
+            ]
+        if not nxt:
+            return False
+        frontier = nxt
+    return False
+
+
+# Primitives whose output is an exponential of their input: a value reaching one through the
+# step (not through a matmul) "feeds exp".
+_EXP_PRIMITIVES = frozenset({"exp", "exp2"})
+_STOP_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
+
+
+def feeds_exp(jaxpr, var) -> bool:
+    """Whether ``var`` of ``jaxpr`` reaches an ``exp`` (or ``exp2``) through the
+    step's equations other than matmuls (at any call depth: an equation with a sub-jaxpr that
+    takes a reached value and computes an exponential counts)."""
+    reached = {var}
+    for eqn in jaxpr.eqns:
+        if not any(_hashable_in(v, reached) for v in eqn.invars):
+            continue
+        name = eqn.primitive.name
+        if name in _EXP_PRIMITIVES:
+            return True
+        if name in _STOP_PRIMITIVES:
+            continue
+        if any(_has_exp(sub) for sub in jc.subjaxprs(eqn)):
+            return True
+        reached.update(eqn.outvars)
+    return False
+
+
+def _hashable_in(v, reached) -> bool:
+    return jc.is_var(v) and v in reached
+
+
+def _has_exp(jaxpr) -> bool:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _EXP_PRIMITIVES:
+            return True
+        if any(_has_exp(sub) for sub in jc.subjaxprs(eqn)):
+            return True
+    return False

@@ -1,0 +1,376 @@
+"""``jaxmem.scan(compress=...)``: the kept float values stored in fewer bits (docs/compress.md).
+
+Checked against :func:`jax.lax.scan` and ``compress=None``: the option's validation, forward
+values bit-identical (eager, under ``jit`` and under ``value_and_grad``), gradient errors within
+each format's bound, per-row scales (rows from 1e-4 to 1e4 in one array each keep their own
+bound), masks, integer carries and the final carry untouched, values that feed ``exp`` stored
+as bf16, short rows kept as they are, and the compiled program: the loop stacks hold the
+encoded bits (``u16``/``u8``/``s8`` and ``f32`` scales) and the compiled temp drops.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxmem
+from jaxmem._src.scan import compress as _compress
+
+FORMATS = ("bf16", "fp8", "int8")
+# Global relative gradient error allowed per format on the MLP stack below (measured: about
+# 1e-3 for bf16, 1e-2 for fp8 and int8).
+GRAD_BOUND = {"bf16": 5e-3, "fp8": 4e-2, "int8": 4e-2}
+
+B, D, F, T = 8, 64, 128, 6
+
+
+def _mlp_args(seed=0):
+    rng = np.random.default_rng(seed)
+    w1 = jnp.asarray(rng.normal(size=(T, D, F)) / math.sqrt(D), jnp.float32)
+    w2 = jnp.asarray(rng.normal(size=(T, F, D)) / math.sqrt(F), jnp.float32)
+    h0 = jnp.asarray(rng.normal(size=(B, D)), jnp.float32)
+    return w1, w2, h0
+
+
+def _mlp_step(h, w):
+    w1, w2 = w
+    u = jax.nn.gelu(_norm(h) @ w1)
+    return h + u @ w2, jnp.sum(h, axis=-1)
+
+
+def _norm(h):
+    mu = jnp.mean(h, axis=-1, keepdims=True)
+    return (h - mu) * jax.lax.rsqrt(jnp.mean((h - mu) ** 2, axis=-1, keepdims=True) + 1e-6)
+
+
+def _mlp_loss(compress=None, scan=None):
+    def loss(w1, w2, h0):
+        run = scan or (lambda *a: jaxmem.scan(*a, compress=compress))
+        h, ys = run(_mlp_step, h0, (w1, w2))
+        return jnp.mean(h**2) + jnp.mean(ys)
+
+    return loss
+
+
+def _rel(got, ref) -> float:
+    num = sum(float(jnp.sum((g - r) ** 2)) for g, r in zip(got, ref, strict=True))
+    den = sum(float(jnp.sum(r**2)) for r in ref)
+    return math.sqrt(num / den)
+
+
+# ----------------------------------------------------------------------------------------------
+# The option
+
+
+@pytest.mark.parametrize("bad", ["fp16", "FP8", 8, True])
+def test_bad_compress_raises_naming_the_choices(bad):
+    w1, w2, h0 = _mlp_args()
+    msg = r"jaxmem.scan got compress=.*; expected None or one of 'bf16', 'fp8', 'int8'\."
+    with pytest.raises(ValueError, match=msg):
+        jaxmem.scan(_mlp_step, h0, (w1, w2), compress=bad)
+    with pytest.raises(ValueError, match=msg.replace("jaxmem.scan", "jaxmem.scan_residuals")):
+        jaxmem.scan_residuals(_mlp_step, h0, (w1, w2), compress=bad)
+
+
+def test_compress_with_checkpoints_raises():
+    w1, w2, h0 = _mlp_args()
+    with pytest.raises(ValueError, match="compress='bf16' with checkpoints=2"):
+        jaxmem.scan(_mlp_step, h0, (w1, w2), compress="bf16", checkpoints=2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Values and gradients
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_forward_is_bit_identical(fmt):
+    args = _mlp_args()
+    ref = _mlp_loss(None)(*args)
+    np.testing.assert_array_equal(_mlp_loss(fmt)(*args), ref)
+    ref_jit = jax.jit(_mlp_loss(None))(*args)
+    np.testing.assert_array_equal(jax.jit(_mlp_loss(fmt))(*args), ref_jit)
+    vg_ref = jax.jit(jax.value_and_grad(_mlp_loss(None)))(*args)[0]
+    np.testing.assert_array_equal(jax.jit(jax.value_and_grad(_mlp_loss(fmt)))(*args)[0], vg_ref)
+    # The scan's outputs themselves, final carry and ys.
+    out = jaxmem.scan(_mlp_step, args[2], args[:2], compress=fmt)
+    ref_out = jaxmem.scan(_mlp_step, args[2], args[:2])
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref_out), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gradient_error_is_within_the_format_bound(fmt):
+    args = _mlp_args()
+    argnums = (0, 1, 2)
+    stock = jax.grad(_mlp_loss(scan=jax.lax.scan), argnums=argnums)(*args)
+    exact = jax.jit(jax.grad(_mlp_loss(None), argnums=argnums))(*args)
+    got = jax.jit(jax.grad(_mlp_loss(fmt), argnums=argnums))(*args)
+    assert _rel(exact, stock) < 1e-5
+    err = _rel(got, exact)
+    assert err <= GRAD_BOUND[fmt], (fmt, err)
+    assert err > 0, "a lossy format that changes nothing did not encode anything"
+
+
+def test_formats_order_by_error():
+    args = _mlp_args(1)
+    exact = jax.grad(_mlp_loss(None), argnums=(0, 1))(*args)
+    errs = {f: _rel(jax.grad(_mlp_loss(f), argnums=(0, 1))(*args), exact) for f in FORMATS}
+    assert errs["bf16"] < errs["int8"] and errs["bf16"] < errs["fp8"], errs
+
+
+def test_grad_under_vmap_matches_unbatched():
+    w1, w2, h0 = _mlp_args()
+    hs = jnp.stack([h0, 2 * h0])
+    grad = jax.grad(_mlp_loss("fp8"), argnums=2)
+    batched = jax.vmap(grad, in_axes=(None, None, 0))(w1, w2, hs)
+    for i in range(2):
+        np.testing.assert_allclose(batched[i], grad(w1, w2, hs[i]), rtol=1e-5, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------------------------
+# The codec
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_rows_of_very_different_scales_keep_their_own_bound(fmt):
+    """One array with rows from 1e-4 to 1e4: each row's error is bounded by its own range
+    (one scale per row), not the array's."""
+    rng = np.random.default_rng(0)
+    scales = 10.0 ** np.arange(-4, 5)
+    x = jnp.asarray(rng.normal(size=(len(scales), 64)) * scales[:, None], jnp.float32)
+    enc = _compress.choose(x, fmt)
+    assert enc.format == fmt
+    stored = _compress.encode(x, enc)
+    got = np.asarray(_compress.decode(stored, enc))
+    x = np.asarray(x)
+    absmax = np.max(np.abs(x), axis=-1, keepdims=True)
+    err = np.abs(got - x)
+    if fmt == "bf16":
+        assert np.all(err <= np.abs(x) * 2.0**-8)
+    elif fmt == "fp8":  # 3 mantissa bits: 1/16 of the element; subnormals below 2**-6 * scale
+        assert np.all(err <= np.abs(x) * 2.0**-4 + absmax / 448 * 2.0**-9)
+    else:  # half an int8 step of the row's own range
+        assert np.all(err <= absmax / 254 * (1 + 1e-6))
+    per_row = np.max(err / absmax, axis=-1)
+    assert np.all(per_row > 0) and np.all(per_row < 2.0**-3)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_zero_rows_and_exact_values_decode_exactly(fmt):
+    x = jnp.zeros((3, 32), jnp.float32).at[1].set(1.0)
+    enc = _compress.choose(x, fmt)
+    np.testing.assert_array_equal(_compress.decode(_compress.encode(x, enc), enc), x)
+
+
+def test_encoded_dtypes_are_raw_bits():
+    x = jnp.ones((4, 32), jnp.float32)
+    dtypes = {f: [a.dtype for a in _compress.encode(x, _compress.choose(x, f))] for f in FORMATS}
+    assert dtypes == {
+        "bf16": [jnp.uint16],
+        "fp8": [jnp.uint8, jnp.float32],
+        "int8": [jnp.int8, jnp.float32],
+    }
+
+
+def test_short_rows_integers_and_narrow_floats_are_kept_as_they_are():
+    s = jax.ShapeDtypeStruct
+    assert _compress.choose(s((64, 8), jnp.float32), "fp8").format is None
+    assert _compress.choose(s((64, 8), jnp.float32), "int8").format is None
+    assert _compress.choose(s((64, 8), jnp.float32), "bf16").format == "bf16"
+    assert _compress.choose(s((), jnp.float32), "int8").format is None
+    assert _compress.choose(s((4, 64), jnp.int32), "int8").format is None
+    assert _compress.choose(s((4, 64), jnp.bfloat16), "bf16").format is None
+    assert _compress.choose(s((4, 64), jnp.complex64), "bf16").format is None
+    assert _compress.choose(s((4, 64), jnp.float32), None).format is None
+
+
+# ----------------------------------------------------------------------------------------------
+# What is kept
+
+
+def _kept(plan):
+    return sorted((r.kind, r.shape, r.encoding or "", r.bytes) for r in plan.stacked)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_scan_residuals_shows_the_encoded_sizes(fmt):
+    w1, w2, h0 = _mlp_args()
+    plan = jaxmem.scan_residuals(_mlp_step, h0, (w1, w2))
+    small = jaxmem.scan_residuals(_mlp_step, h0, (w1, w2), compress=fmt)
+    assert [(k, s) for k, s, _, _ in _kept(plan)] == [(k, s) for k, s, _, _ in _kept(small)]
+    for (kind, shape, _, full), (_, _, enc, nbytes) in zip(_kept(plan), _kept(small), strict=True):
+        if kind == "ys" or len(shape) < 2:
+            # Read back as it is, or a norm's statistics (one value per row), kept exact.
+            assert (enc, nbytes) == ("", full)
+            continue
+        assert enc == fmt
+        rows = int(np.prod(shape[:-1]))
+        assert nbytes == (full // 2 if fmt == "bf16" else full // 4 + 4 * rows)
+    assert f"stacked:{fmt}" in str(small)
+    assert small.stacked_bytes < plan.stacked_bytes
+
+
+def _where_step(carry, w):
+    """A dropout-like mask (kept as bits) and an int counter in the carry."""
+    h, n = carry
+    w1, key = w
+    u = jnp.tanh(h @ w1)
+    keep = jax.random.bernoulli(key, 0.8, u.shape)
+    return (h + jnp.where(keep, u, 0.0) * 0.5, n + 1), None
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_masks_and_int_carries_pass_through(fmt):
+    rng = np.random.default_rng(0)
+    w1 = jnp.asarray(rng.normal(size=(T, D, D)) / math.sqrt(D), jnp.float32)
+    keys = jax.random.split(jax.random.key(0), T)
+    init = (jnp.asarray(rng.normal(size=(B, D)), jnp.float32), jnp.int32(3))
+    plan = jaxmem.scan_residuals(_where_step, init, (w1, keys), compress=fmt)
+    masks = [r for r in plan.stacked if r.dtype == "bool"]
+    assert masks and all(r.encoding is None and r.bytes == B * D // 8 for r in masks)
+    assert all(r.encoding is None for r in plan.stacked if "int" in r.dtype)
+
+    def loss(compress):
+        def f(w1, h):
+            (h, n), _ = jaxmem.scan(_where_step, (h, init[1]), (w1, keys), compress=compress)
+            return jnp.sum(h**2), n
+
+        return f
+
+    (v, n), g = jax.value_and_grad(loss(fmt), argnums=(0, 1), has_aux=True)(w1, init[0])
+    (v0, n0), g0 = jax.value_and_grad(loss(None), argnums=(0, 1), has_aux=True)(w1, init[0])
+    assert int(n) == int(n0) == 3 + T
+    np.testing.assert_array_equal(v, v0)
+    # A recurrence compounds the error step by step: fp8 measured 4.8e-2 here.
+    assert 0 < _rel(g, g0) <= 2 * GRAD_BOUND[fmt]
+
+
+def _attention_step(x, w):
+    """Pre-LN causal softmax attention: the kept scores feed exp (softmax is recomputed from
+    them)."""
+    h = _norm(x)
+    s = h @ w @ h.T / math.sqrt(x.shape[-1])
+    mask = jnp.tril(jnp.ones(s.shape, jnp.bool_))
+    p = jax.nn.softmax(jnp.where(mask, s, jnp.finfo(s.dtype).min), axis=-1)
+    return x + p @ h, None
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_values_feeding_exp_are_kept_as_bf16(fmt):
+    rng = np.random.default_rng(0)
+    n, d = 32, 48
+    ws = jnp.asarray(rng.normal(size=(4, d, d)) / math.sqrt(d), jnp.float32)
+    x0 = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
+    plan = jaxmem.scan_residuals(_attention_step, x0, ws, compress=fmt)
+    # The masked scores (they feed exp) as bf16; the values of shape [n, d] in the format.
+    assert "bf16" in [r.encoding for r in plan.stacked if r.shape == (n, n)], _kept(plan)
+    assert {r.encoding for r in plan.stacked if r.shape == (n, d)} == {fmt}, _kept(plan)
+
+    def loss(compress):
+        return lambda ws, x0: jnp.sum(
+            jaxmem.scan(_attention_step, x0, ws, compress=compress)[0] ** 2
+        )
+
+    exact = jax.grad(loss(None), argnums=(0, 1))(ws, x0)
+    assert _rel(jax.grad(loss(fmt), argnums=(0, 1))(ws, x0), exact) <= GRAD_BOUND[fmt]
+
+
+# ----------------------------------------------------------------------------------------------
+# The compiled program
+
+
+def _compiled(compress):
+    args = _mlp_args()
+    grad = jax.jit(jax.grad(_mlp_loss(compress), argnums=(0, 1, 2)))
+    return grad.lower(*args).compile()
+
+
+# The stacked [T, B, F] value (the MLP's pre-activation) in the compiled program, per format.
+_STACK = {
+    None: rf"f32\[{T},{B},{F}\]",
+    "bf16": rf"u16\[{T},{B},{F}\]",
+    "fp8": rf"u8\[{T},{B},{F}\]",
+    "int8": rf"s8\[{T},{B},{F}\]",
+}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_compiled_loop_stacks_hold_the_encoded_bits(fmt):
+    base, small = _compiled(None), _compiled(fmt)
+    text = small.as_text()
+    assert re.search(_STACK[fmt], text), f"no {_STACK[fmt]} stack in the compiled program"
+    assert not re.search(_STACK[None], text), "the f32 stack is still there"
+    assert re.search(_STACK[None], base.as_text())
+    if fmt != "bf16":  # one f32 scale per row
+        assert re.search(rf"f32\[{T},{B}\]", text)
+    temp, base_temp = (c.memory_analysis().temp_size_in_bytes for c in (small, base))
+    # The stacks shrink by (4 - bytes per value) * T * B * (F + D): at least that much less temp,
+    # less the scales and one step's decoded values.
+    per_value = {"bf16": 2, "fp8": 1, "int8": 1}[fmt]
+    saved = (4 - per_value) * T * B * (F + D)
+    assert temp <= base_temp - saved // 2, (temp, base_temp, saved)
+
+
+# ----------------------------------------------------------------------------------------------
+# Other entry points
+
+
+def test_optimize_passes_compress_to_every_scan():
+    args = _mlp_args()
+    loss = _mlp_loss(scan=jax.lax.scan)
+    with pytest.raises(ValueError, match="jaxmem.optimize got compress='fp4'"):
+        jaxmem.optimize(loss, compress="fp4")
+    fast = jaxmem.optimize(loss, compress="bf16")
+    np.testing.assert_array_equal(fast(*args), jaxmem.optimize(loss)(*args))
+    exact = jax.grad(jaxmem.optimize(loss), argnums=(0, 1, 2))(*args)
+    got = jax.grad(fast, argnums=(0, 1, 2))(*args)
+    direct = jax.grad(_mlp_loss("bf16"), argnums=(0, 1, 2))(*args)
+    assert _rel(got, direct) < 1e-5  # the same encoded scan as jaxmem.scan(compress="bf16")
+    assert 0 < _rel(got, exact) <= GRAD_BOUND["bf16"]
+    kept = [s.kept_bytes for s in jaxmem.optimize(loss).explain(*args).scans]
+    small = [s.kept_bytes for s in fast.explain(*args).scans]
+    assert small[0] < kept[0]
+
+
+def test_profile_shows_the_encoded_sizes():
+    args = _mlp_args()
+    plans = {fmt: jaxmem.profile(_mlp_loss(fmt), *args).scan_plans for fmt in (None, "int8")}
+    (exact,), (small,) = plans[None], plans["int8"]
+    assert "int8" in {r.encoding for r in small.stacked}
+    assert small.stacked_bytes < exact.stacked_bytes / 2
+
+
+def test_scanned_takes_compress():
+    w1, w2, h0 = _mlp_args()
+    with pytest.raises(ValueError, match="jaxmem.scanned got compress='fp4'"):
+        jaxmem.scanned(_mlp_step, compress="fp4")
+    run = jaxmem.scanned(_mlp_step, compress="int8")
+    exact = jax.grad(lambda h: jnp.sum(jaxmem.scan(_mlp_step, h, (w1, w2))[0] ** 2))(h0)
+    got = jax.grad(lambda h: jnp.sum(run(h, (w1, w2))[0] ** 2))(h0)
+    assert 0 < _rel([got], [exact]) <= GRAD_BOUND["int8"]
+
+
+def test_higher_order_derivatives_raise():
+    """Grad of grad would differentiate through the kept integer bits (no derivative flows
+    there): it raises rather than return a wrong Hessian."""
+    w = jnp.asarray(np.random.default_rng(0).normal(size=(16, 16)) * 0.1, jnp.float32)
+    xs = jnp.ones((3, 4, 16))
+
+    def loss(w, compress):
+        step = lambda h, x: (jnp.sin(h @ w + x), jnp.cos(h))  # noqa: E731
+        h, ys = jaxmem.scan(step, jnp.ones((4, 16)), xs, compress=compress)
+        return jnp.sum(ys**2) + jnp.sum(h**2)
+
+    for hessian in (jax.jacrev, jax.jacfwd):
+        with pytest.raises(NotImplementedError, match="compress='bf16' under higher-order"):
+            hessian(jax.grad(loss))(w, "bf16")
+        hessian(jax.grad(loss))(w, None)  # without compress: fine
+    # First order, under jit and vmap: fine, and lossy.
+    grad = jax.jit(jax.vmap(jax.grad(loss), in_axes=(0, None)), static_argnums=1)
+    ws = jnp.stack([w, 2 * w])
+    assert _rel([grad(ws, "bf16")], [grad(ws, None)]) > 0
