@@ -374,3 +374,12 @@ def test_higher_order_derivatives_raise():
     grad = jax.jit(jax.vmap(jax.grad(loss), in_axes=(0, None)), static_argnums=1)
     ws = jnp.stack([w, 2 * w])
     assert _rel([grad(ws, "bf16")], [grad(ws, None)]) > 0
+
+
+@pytest.mark.parametrize("fmt", (None, *FORMATS))
+def test_a_prng_key_is_kept_as_it_is(fmt):
+    # A typed key (an extended dtype: nnx.Rngs carries one through a scan, and its sequence can
+    # be the kept carry) is no float: every format keeps it, at its own size.
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    enc = _compress.choose(key, fmt)
+    assert enc.format is None and enc.nbytes == jax.random.key_data(jax.random.key(0)).nbytes

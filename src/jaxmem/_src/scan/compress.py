@@ -34,6 +34,7 @@ on a small attention stack, against 1e-2 kept exact).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -57,14 +58,14 @@ class Encoding:
 
     format: str | None
     shape: tuple[int, ...]
-    dtype: np.dtype
+    dtype: Any  # the value's own dtype (a NumPy dtype, or JAX's extended ones: PRNG keys)
 
     @property
     def nbytes(self) -> int:
         """Bytes one step's value takes encoded (payload and scales)."""
         n = int(np.prod(self.shape, dtype=np.int64))
         if self.format is None:
-            return n * np.dtype(self.dtype).itemsize
+            return jc.nbytes(jax.ShapeDtypeStruct(self.shape, self.dtype))
         if self.format == "bf16":
             return 2 * n
         rows = int(np.prod(self.shape[:-1], dtype=np.int64))
@@ -72,7 +73,9 @@ class Encoding:
 
 
 def _is_real_float(dtype) -> bool:
-    return jnp.issubdtype(dtype, jnp.floating)
+    return not jax.dtypes.issubdtype(dtype, jax.dtypes.extended) and jnp.issubdtype(
+        dtype, jnp.floating
+    )
 
 
 def choose(
@@ -94,10 +97,10 @@ def choose(
       >>> choose(jax.ShapeDtypeStruct((4, 64), jnp.float32), "bf16", statistic=True).format is None
       True
     """
-    shape, dtype = tuple(aval.shape), np.dtype(aval.dtype)
+    shape, dtype = tuple(aval.shape), aval.dtype
     keep = Encoding(None, shape, dtype)
     if compress is None or statistic or not _is_real_float(dtype):
-        return keep
+        return keep  # (a PRNG key's extended dtype is not a float: kept as it is)
     fmt = "bf16" if feeds_exp else compress
     if fmt != "bf16" and (not shape or shape[-1] < MIN_ROW):
         return keep
