@@ -1,4 +1,5 @@
-"""Strict test environment for the whole suite (tests/, doctests in src/jaxmem/, README.md and docs/).
+"""Strict test environment for the whole suite (tests/; doctests in src/jaxmem/, README.md,
+docs/).
 
 Set before jax is imported anywhere: several fake CPU devices, so sharding-aware code is
 exercised, and rank promotion raises, so broadcasting bugs surface. Under CI (``CI`` set) LLVM
