@@ -202,9 +202,12 @@ def test_scan_residuals_shows_the_encoded_sizes(fmt):
     w1, w2, h0 = _mlp_args()
     plan = jaxmem.scan_residuals(_mlp_step, h0, (w1, w2))
     small = jaxmem.scan_residuals(_mlp_step, h0, (w1, w2), compress=fmt)
-    assert [(k, s) for k, s, _, _ in _kept(plan)] == [(k, s) for k, s, _, _ in _kept(small)]
-    for (kind, shape, _, full), (_, _, enc, nbytes) in zip(_kept(plan), _kept(small), strict=True):
-        if kind == "ys" or len(shape) < 2:
+    # The same large values (the cut may pick another of two equal-sized norm statistics).
+    big = lambda p: [(k, s) for k, s, _, _ in _kept(p) if len(s) > 1 and s[-1] > 1]
+    assert big(plan) == big(small)
+    for kind, shape, enc, nbytes in _kept(small):
+        full = 4 * int(np.prod(shape))
+        if kind == "ys" or len(shape) < 2 or shape[-1] == 1:
             # Read back as it is, or a norm's statistics (one value per row), kept exact.
             assert (enc, nbytes) == ("", full)
             continue
@@ -260,16 +263,39 @@ def _attention_step(x, w):
     return x + p @ h, None
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "int8"])
-def test_values_feeding_exp_are_kept_as_bf16(fmt):
+def _attention_args(n=32, d=48):
     rng = np.random.default_rng(0)
-    n, d = 32, 48
     ws = jnp.asarray(rng.normal(size=(4, d, d)) / math.sqrt(d), jnp.float32)
     x0 = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
+    return ws, x0
+
+
+def _masked_softmax(s):
+    mask = jnp.tril(jnp.ones(s.shape, jnp.bool_))
+    return jax.nn.softmax(jnp.where(mask, s, jnp.finfo(s.dtype).min), axis=-1)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_values_feeding_exp_are_encoded_as_bf16(fmt):
+    jaxpr = jax.make_jaxpr(_masked_softmax)(jnp.ones((32, 32), jnp.float32)).jaxpr
+    encoding = _compress.encoder(jaxpr, fmt)
+    (exp,) = [e for e in jaxpr.eqns if e.primitive.name == "exp"]
+    assert encoding(jaxpr.invars[0]).format == "bf16"  # the scores, through where and max
+    assert encoding(exp.invars[0]).format == "bf16"
+    assert encoding(exp.outvars[0]).format == fmt  # the exponentials do not feed exp
+    assert _compress.encoder(jaxpr, "bf16")(jaxpr.invars[0]).format == "bf16"
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_the_cut_keeps_softmax_exponentials_in_the_format(fmt):
+    # Priced at their encoded sizes, the exponentials (1 byte an element) undercut the scores
+    # they are recomputed from (2: the scores feed exp): the cut keeps the former.
+    ws, x0 = _attention_args()
+    n, d = x0.shape
     plan = jaxmem.scan_residuals(_attention_step, x0, ws, compress=fmt)
-    # The masked scores (they feed exp) as bf16; the values of shape [n, d] in the format.
-    assert "bf16" in [r.encoding for r in plan.stacked if r.shape == (n, n)], _kept(plan)
+    assert {r.encoding for r in plan.stacked if r.shape == (n, n)} == {fmt}, _kept(plan)
     assert {r.encoding for r in plan.stacked if r.shape == (n, d)} == {fmt}, _kept(plan)
+    assert "bf16" not in {r.encoding for r in plan.stacked}, _kept(plan)
 
     def loss(compress):
         return lambda ws, x0: jnp.sum(
@@ -277,7 +303,34 @@ def test_values_feeding_exp_are_kept_as_bf16(fmt):
         )
 
     exact = jax.grad(loss(None), argnums=(0, 1))(ws, x0)
-    assert _rel(jax.grad(loss(fmt), argnums=(0, 1))(ws, x0), exact) <= GRAD_BOUND[fmt]
+    # A sharp softmax (unscaled scores of normalized rows): fp8's exponentials carry up to one
+    # fp8 rounding (2**-4) each, and the gradient's error stays below that (measured 4.4e-2).
+    bound = 2.0**-4 if fmt == "fp8" else GRAD_BOUND[fmt]
+    assert _rel(jax.grad(loss(fmt), argnums=(0, 1))(ws, x0), exact) <= bound
+
+
+def _transposed_step(h, w):
+    return jnp.tanh(h @ w.T), None
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(
+    "step, args",
+    [
+        (_mlp_step, lambda: (_mlp_args()[2], _mlp_args()[:2])),
+        (_attention_step, lambda: _attention_args()[::-1]),
+        # A transpose of an xs slice is recomputed, never kept (it was, encoded, when the
+        # budget of recompute="auto" credited a recompute with the encoded bytes it saves).
+        (_transposed_step, lambda: (_mlp_args()[2], _mlp_args()[0][..., :D] / 2)),
+    ],
+    ids=["mlp", "attention", "transposed"],
+)
+def test_compress_never_keeps_more_values_than_none(step, args, fmt):
+    init, xs = args()
+    plan = jaxmem.scan_residuals(step, init, xs)
+    small = jaxmem.scan_residuals(step, init, xs, compress=fmt)
+    assert small.stacked_bytes < plan.stacked_bytes
+    assert len(small.stacked) <= len(plan.stacked), (_kept(plan), _kept(small))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -383,3 +436,27 @@ def test_a_prng_key_is_kept_as_it_is(fmt):
     key = jax.eval_shape(lambda: jax.random.key(0))
     enc = _compress.choose(key, fmt)
     assert enc.format is None and enc.nbytes == jax.random.key_data(jax.random.key(0)).nbytes
+
+
+def _cast_step(h, w):
+    y = h.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)
+    return jnp.tanh(y.astype(jnp.float32)), None
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_body_that_casts_to_bf16_compiles_smaller(fmt):
+    # Decoding bf16 by a convert let XLA fold convert(convert(bf16 -> f32) -> bf16) in such a
+    # body, and jax 0.10.2's XLA:CPU then left the weight gradient's dot unfused: 1.2x the
+    # temp of compress=None. The decode widens by integer ops instead.
+    rng = np.random.default_rng(0)
+    ws = jnp.asarray(rng.normal(size=(8, 512, 512)) / math.sqrt(512), jnp.float32)
+    h0 = jnp.asarray(rng.normal(size=(32, 512)), jnp.float32)
+
+    def temp(compress):
+        def loss(ws, h0):
+            return jnp.sum(jaxmem.scan(_cast_step, h0, ws, compress=compress)[0] ** 2)
+
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+        return grad.lower(ws, h0).compile().memory_analysis().temp_size_in_bytes
+
+    assert temp(fmt) < temp(None)

@@ -24,11 +24,14 @@ recomputed) is stored as bf16: ``exp`` turns an absolute error into a relative o
 relative error of a large score made a small GPT's training diverge, final loss 2.7x the
 lossless run's), and a row scale is useless for a masked row (``where(mask, s, finfo.min)``: its
 absolute maximum is the mask's fill, and every real score would encode to 0; measured on the
-transformer stack, a gradient error of 2e2 under int8). A *row statistic* (a value computed from
-a reduction by elementwise steps: a norm's mean and inverse deviation, softmax's maximum and
-sum, :func:`is_statistic`) is kept as it is under every format: it costs one value per row, and
-its error would scale its whole row alike (fp8 norm statistics measured a gradient error of 1e-1
-on a small attention stack, against 1e-2 kept exact).
+transformer stack, a gradient error of 2e2 under int8). The cut prices each value at its encoded
+size (:func:`jaxmem._src.scan.residuals.kept_size`), so it keeps such a value only where nothing
+cheaper serves: in softmax attention it keeps the exponentials ``exp(s - max)`` (in (0, 1], do
+not feed exp, 1 byte an element) rather than the scores (2 bytes). A *row statistic* (a value
+computed from a reduction by elementwise steps: a norm's mean and inverse deviation, softmax's
+maximum and sum, :func:`is_statistic`) is kept as it is under every format: it costs one value per
+row, and its error would scale its whole row alike (fp8 norm statistics measured a gradient error
+of 1e-1 on a small attention stack, against 1e-2 kept exact).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmem._src import jax_compat as jc
+from jaxmem._src.scan import jaxprs as _jaxprs
 
 FORMATS = ("bf16", "fp8", "int8")
 
@@ -133,7 +137,12 @@ def decode(stored, enc: Encoding):
         return stored
     if enc.format == "bf16":
         (bits,) = stored
-        return jax.lax.bitcast_convert_type(bits, jnp.bfloat16).astype(enc.dtype)
+        # bf16's bits are the high half of the f32 of the same value. Widened by integer ops,
+        # not by a convert: XLA would fold convert(convert(bf16 -> f32) -> bf16) in a body that
+        # casts the value back to bf16, and jax 0.10.2's XLA:CPU then kept the weight
+        # gradient's dot unfused (two f32 [D, D] buffers instead of one).
+        wide = jax.lax.shift_left(bits.astype(jnp.uint32), jnp.uint32(16))
+        return jax.lax.bitcast_convert_type(wide, jnp.float32).astype(enc.dtype)
     bits, scale = stored
     q = jax.lax.bitcast_convert_type(bits, _FP8) if enc.format == "fp8" else bits
     return (q.astype(jnp.float32) * scale[..., None]).astype(enc.dtype)
@@ -145,10 +154,13 @@ _REDUCTIONS = frozenset(
 _ELEMENTWISE_DEPTH = 8
 
 
-def is_statistic(jaxpr, var) -> bool:
+def is_statistic(jaxpr, var, eqn_of=None) -> bool:
     """Whether ``var`` of ``jaxpr`` is a reduction's output, or one taken through at most
-    :data:`_ELEMENTWISE_DEPTH` equations that keep its shape (``rsqrt(mean(x**2) + eps)``)."""
-    eqn_of = {v: e for e in jaxpr.eqns for v in e.outvars}
+    :data:`_ELEMENTWISE_DEPTH` equations that keep its size (``rsqrt(mean(x**2) + eps)``, with
+    or without ``keepdims``).
+    ``eqn_of`` maps each variable to the equation that computes it (built when None)."""
+    if eqn_of is None:
+        eqn_of = {v: e for e in jaxpr.eqns for v in e.outvars}
     frontier = [var]
     for _ in range(_ELEMENTWISE_DEPTH):
         nxt = []
@@ -158,11 +170,15 @@ def is_statistic(jaxpr, var) -> bool:
                 continue
             if eqn.primitive.name in _REDUCTIONS:
                 return True
-            shape = tuple(v.aval.shape)
+            # Inputs of as many elements: elementwise steps, and reshapes or broadcasts that
+            # add or drop unit axes (a mean taken with keepdims).
+            size = int(np.prod(v.aval.shape, dtype=np.int64))
             nxt += [
                 u
                 for u in eqn.invars
-                if jc.is_var(u) and tuple(getattr(u.aval, "shape", ())) in (shape, (*shape, 1))
+                if jc.is_var(u)
+                and hasattr(u.aval, "shape")
+                and int(np.prod(u.aval.shape, dtype=np.int64)) == size
             ]
         if not nxt:
             return False
@@ -176,27 +192,39 @@ _EXP_PRIMITIVES = frozenset({"exp", "exp2"})
 _STOP_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
 
 
-def feeds_exp(jaxpr, var) -> bool:
-    """Whether ``var`` of ``jaxpr`` reaches an ``exp`` (or ``exp2``) through the
-    step's equations other than matmuls (at any call depth: an equation with a sub-jaxpr that
-    takes a reached value and computes an exponential counts)."""
-    reached = {var}
-    for eqn in jaxpr.eqns:
-        if not any(_hashable_in(v, reached) for v in eqn.invars):
-            continue
+def feeds_exp(jaxpr) -> frozenset:
+    """The variables of ``jaxpr`` that reach an ``exp`` (or ``exp2``) through the step's
+    equations other than matmuls (at any call depth: an equation with a sub-jaxpr that takes a
+    reached value and computes an exponential counts). One pass, last equation first."""
+    fed: set = set()
+    for eqn in reversed(jaxpr.eqns):
         name = eqn.primitive.name
-        if name in _EXP_PRIMITIVES:
-            return True
         if name in _STOP_PRIMITIVES:
             continue
-        if any(_has_exp(sub) for sub in jc.subjaxprs(eqn)):
-            return True
-        reached.update(eqn.outvars)
-    return False
+        if (
+            name in _EXP_PRIMITIVES
+            or any(v in fed for v in eqn.outvars)
+            or any(_has_exp(sub) for sub in jc.subjaxprs(eqn))
+        ):
+            fed.update(v for v in eqn.invars if jc.is_var(v))
+    return frozenset(fed)
 
 
-def _hashable_in(v, reached) -> bool:
-    return jc.is_var(v) and v in reached
+def encoder(jaxpr, compress: str | None):
+    """The encoding of each variable of ``jaxpr`` kept under ``compress``: a function of the
+    variable (:func:`choose`'s rules, with :func:`feeds_exp` and :func:`is_statistic` read from
+    ``jaxpr``; a boolean mask kept as bits is not encoded)."""
+    if compress is None:
+        return lambda v: Encoding(None, tuple(v.aval.shape), v.aval.dtype)
+    exp_fed = feeds_exp(jaxpr) if compress in ("fp8", "int8") else frozenset()
+    eqn_of = {v: e for e in jaxpr.eqns for v in e.outvars}
+
+    def encoding(v) -> Encoding:
+        if _jaxprs.packs_bits(v.aval):
+            return choose(v.aval, None)
+        return choose(v.aval, compress, v in exp_fed, is_statistic(jaxpr, v, eqn_of))
+
+    return encoding
 
 
 def _has_exp(jaxpr) -> bool:

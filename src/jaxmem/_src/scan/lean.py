@@ -87,21 +87,11 @@ def _encodings(step: _res.StepPlan, compress: str | None):
     """How each partial activation and each kept carry sequence is stored under ``compress``
     (a sequence that is a ys stack is read back as it is; the rules are
     :mod:`jaxmem._src.scan.compress`'s)."""
-    jaxpr = step.traced.jaxpr
-
-    def encoding(v, compress):
-        if compress is None or _jaxprs.packs_bits(v.aval):
-            return _compress.choose(v.aval, None)
-        return _compress.choose(
-            v.aval,
-            compress,
-            compress in ("fp8", "int8") and _compress.feeds_exp(jaxpr, v),
-            _compress.is_statistic(jaxpr, v),
-        )
-
-    stacked = tuple(encoding(v, compress) for v in step.stacked_vars)
+    encoding = _compress.encoder(step.traced.jaxpr, compress)
+    plain = _compress.encoder(step.traced.jaxpr, None)
+    stacked = tuple(encoding(v) for v in step.stacked_vars)
     carry = tuple(
-        encoding(v, compress if j < 0 else None)
+        (encoding if j < 0 else plain)(v)
         for v, keep, j in zip(step.carry_invars, step.stack_carry, step.carry_seq_y, strict=True)
         if keep
     )
@@ -149,7 +139,7 @@ class _LeanScan:
         in_avals = [v.aval for v in _jc.open_jaxpr(jaxpr).invars]
         names = self.offload if isinstance(self.offload, frozenset) else frozenset()
         step = _res.plan_step(
-            jaxpr, self.n_consts, self.body.n_carry, in_avals, self.recompute, names
+            jaxpr, self.n_consts, self.body.n_carry, in_avals, self.recompute, names, self.compress
         )
         stacked, carry = _offload_masks(step, self.offload, self.fname)
         encodings = _encodings(step, self.compress)

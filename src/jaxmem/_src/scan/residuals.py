@@ -42,6 +42,7 @@ import jax
 import numpy as np
 
 from jaxmem._src import jax_compat as jc
+from jaxmem._src.scan import compress as _compress
 from jaxmem._src.scan import mincut as mincut
 from jaxmem._src.scan import recompute_cost as _pricing
 from jaxmem._src.scan.jaxprs import (
@@ -187,10 +188,14 @@ class Stores:
     free: frozenset
 
 
-def _graph(jaxpr, cheap: Callable, host: frozenset = frozenset()):
+def _graph(jaxpr, cheap: Callable, host: frozenset = frozenset(), size: Callable | None = None):
     """Min-cut costs and ops of ``jaxpr``; a value in ``host`` (kept in host memory) costs no
-    device bytes, only the unit that makes the cut prefer fewer values."""
-    cost = lambda v: 1 if v in host else _cost(v.aval)
+    device bytes, only the unit that makes the cut prefer fewer values; ``size`` gives the bytes
+    a value takes kept (:func:`kept_size`; its type's by default)."""
+    if size is None:
+        cost = lambda v: 1 if v in host else _cost(v.aval)
+    else:
+        cost = lambda v: 1 if v in host else size(v) * _TIE + 1
     costs = {v: cost(v) for v in itertools.chain(jaxpr.constvars, jaxpr.invars)}
     ops = []
     for eqn in jaxpr.eqns:
@@ -206,11 +211,14 @@ def choose_stores(
     candidates: Sequence[tuple[int, ...]],
     cheap: Callable,
     host: frozenset = frozenset(),
+    size: KeptSize | None = None,
 ) -> Stores:
     """The cheapest stores over the candidate carry subsets (a kept carry costs its bytes; a
-    value in ``host``, offloaded by name, no device bytes)."""
+    value in ``host``, offloaded by name, no device bytes; ``size``: the bytes kept values
+    take, :func:`kept_size`)."""
+    size = kept_size(traced, None) if size is None else size
     targets = [v for v in traced.res_out if _is_var(v)]
-    costs, ops = _graph(traced.jaxpr, cheap, host)
+    costs, ops = _graph(traced.jaxpr, cheap, host, size.value)
     best = None
     for subset in candidates:
         free = set(base_free)
@@ -223,7 +231,7 @@ def choose_stores(
             continue
         # A kept carry sequence costs its bytes and wins ties against other single values:
         # it serves both the carry-in and the carry-out, and is what offload="carries" moves.
-        cost += sum(_nbytes(traced.carry_in[i].aval) * _TIE for i in subset)
+        cost += sum(size.carry(i) * _TIE for i in subset)
         if best is None or cost < best[0]:
             best = (cost, Stores(tuple(subset), stored, frozenset(free)))
     if best is None:
@@ -403,7 +411,9 @@ def build_jaxprs(
     return hoist, forward, rebuild
 
 
-def _priced_cut(traced: TracedStep, body, base_free: set, candidates, model=None, host=frozenset()):
+def _priced_cut(
+    traced: TracedStep, body, base_free: set, candidates, model=None, host=frozenset(), size=None
+):
     """The cut of ``recompute="auto"`` (:mod:`jaxmem._src.scan.recompute_cost`): recompute only what
     fuses, and keep the most expensive recompute instead while the recomputes cost more than the
     model's budget of the step's time. Returns the recompute predicate and the stores."""
@@ -417,11 +427,12 @@ def _priced_cut(traced: TracedStep, body, base_free: set, candidates, model=None
     budget = model.budget * _pricing.step_seconds(jc.open_jaxpr(body).eqns, model)
     targets = [v for v in traced.res_out if _is_var(v)]
     # What keeping every residual would cost in bytes: a recompute is credited with the memory
-    # traffic of the bytes it saves.
+    # traffic of the bytes it saves, counted at full width (under compress, a kept value is
+    # still read and written at full width by its encode and decode).
     never = lambda e: False
     most = _stored_bytes(traced, choose_stores(traced, base_free, candidates, never, host), host)
     for attempt in range(_MAX_PRICED_CUTS):
-        stores = choose_stores(traced, base_free, candidates, cheap, host)
+        stores = choose_stores(traced, base_free, candidates, cheap, host, size)
         recomputed = needed_eqns(traced.jaxpr.eqns, targets, stores.free | stores.stored)
         seconds = [_pricing.eqn_seconds(e, model) for e in recomputed]
         saved = _pricing.traffic_seconds(max(0, most - _stored_bytes(traced, stores, host)), model)
@@ -431,10 +442,44 @@ def _priced_cut(traced: TracedStep, body, base_free: set, candidates, model=None
     return cheap, stores
 
 
-def _stored_bytes(traced: TracedStep, stores: Stores, host: frozenset = frozenset()) -> int:
+def _stored_bytes(
+    traced: TracedStep, stores: Stores, host: frozenset = frozenset(), size=None
+) -> int:
     """Device bytes a cut keeps per step: its stored values and kept carry leaves."""
-    kept = sum(_nbytes(traced.carry_in[i].aval) for i in stores.kept_carry)
-    return kept + sum(kept_bytes(v.aval) for v in stores.stored if v not in host)
+    size = kept_size(traced, None) if size is None else size
+    kept = sum(size.carry(i) for i in stores.kept_carry)
+    return kept + sum(size.value(v) for v in stores.stored if v not in host)
+
+
+@dataclasses.dataclass(frozen=True)
+class KeptSize:
+    """The bytes a kept value takes per step: ``value(v)`` for a value of the step, ``carry(i)``
+    for the carry sequence of carry leaf ``i``."""
+
+    value: Callable[[Any], int]
+    carry: Callable[[int], int]
+
+
+def kept_size(traced: TracedStep, compress: str | None) -> KeptSize:
+    """Kept sizes under ``compress`` (:mod:`jaxmem._src.scan.compress`): a value the loop
+    stacks is encoded, a y is read back as it is, a mask is kept as bits. The cut prices values
+    by these sizes, so under ``"fp8"`` it may keep softmax's exponentials (1 byte an element)
+    rather than the scores they are recomputed from (kept as bf16: they feed ``exp``)."""
+    if compress is None:
+        return KeptSize(lambda v: kept_bytes(v.aval), lambda i: _nbytes(traced.carry_in[i].aval))
+    encoding = _compress.encoder(traced.jaxpr, compress)
+    ys = {v for v in traced.y_out if _is_var(v)}
+
+    def value(v) -> int:
+        enc = None if v in ys else encoding(v)
+        return kept_bytes(v.aval) if enc is None or enc.format is None else enc.nbytes
+
+    def carry(i) -> int:
+        v = traced.carry_in[i]
+        enc = None if traced.carry_out[i] in ys else encoding(v)
+        return _nbytes(v.aval) if enc is None or enc.format is None else enc.nbytes
+
+    return KeptSize(value, carry)
 
 
 def named_vars(jaxpr, names) -> frozenset:
@@ -458,6 +503,7 @@ def plan_step(
     in_avals: Sequence,
     recompute: str,
     host_names: frozenset = frozenset(),
+    compress: str | None = None,
 ) -> StepPlan:
     """Traces the VJP of one step and plans where each residual comes from.
 
@@ -487,11 +533,12 @@ def plan_step(
     base_free = const_only | set(traced.x_in)
     candidates = carry_candidates(traced, [-1] * len(traced.carry_in))
     host = named_vars(traced.jaxpr, host_names) if host_names else frozenset()
+    size = kept_size(traced, compress)
     if recompute == "auto":
-        cheap, stores = _priced_cut(traced, body, base_free, candidates, host=host)
+        cheap, stores = _priced_cut(traced, body, base_free, candidates, host=host, size=size)
     else:
         cheap = _is_cheap if recompute == "cheap" else (lambda eqn: False)
-        stores = choose_stores(traced, base_free, candidates, cheap, host)
+        stores = choose_stores(traced, base_free, candidates, cheap, host, size)
     # Kept carry leaves whose carry-out is a y are read from ys (shifted), not stacked.
     from_y = [j if i in stores.kept_carry else -1 for i, j in enumerate(from_y)]
 
