@@ -460,3 +460,25 @@ def test_a_body_that_casts_to_bf16_compiles_smaller(fmt):
         return grad.lower(ws, h0).compile().memory_analysis().temp_size_in_bytes
 
     assert temp(fmt) < temp(None)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_non_finite_values_stay_non_finite(fmt):
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(4, 32)), jnp.float32)
+    x = x.at[1, 3].set(jnp.inf).at[2, 5].set(jnp.nan).at[3, 7].set(-jnp.inf)
+    enc = _compress.choose(x, fmt)
+    got = np.asarray(_compress.decode(_compress.encode(x, enc), enc))
+    assert np.all(np.isfinite(got[0]))  # a finite row keeps its bound
+    assert np.all(np.abs(got[0] - np.asarray(x[0])) <= np.max(np.abs(np.asarray(x[0]))) / 16)
+    for row, col in ((1, 3), (2, 5), (3, 7)):  # never clipped to a finite value
+        assert not np.isfinite(got[row, col]), (row, got[row])
+    # Through a scan: a non-finite activation gives a non-finite gradient, as without compress.
+    step = lambda h, w: (jnp.tanh(h @ w) * jnp.sqrt(jnp.sum(w)), None)  # noqa: E731
+    ws = jnp.asarray(np.random.default_rng(1).normal(size=(3, 32, 32)), jnp.float32)
+
+    def loss(ws, compress):
+        return jnp.sum(jaxmem.scan(step, jnp.ones((4, 32)), ws, compress=compress)[0] ** 2)
+
+    ws = ws.at[1].set(-1.0)  # sqrt of a negative sum: NaN from layer 1 on
+    for compress in (None, fmt):
+        assert not np.all(np.isfinite(np.asarray(jax.grad(loss)(ws, compress))))

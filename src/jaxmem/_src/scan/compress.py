@@ -15,6 +15,9 @@ Formats (a *format* is chosen per kept value by :func:`choose`):
 - ``"int8"``: round-to-nearest int8 times one f32 scale per row (absmax over 127): absolute
   error at most half a step, ``absmax(row) / 254``.
 
+Under fp8 and int8 a row holding an inf or a NaN decodes as non-finite (its scale is its
+non-finite absmax), never as clipped finite values; bf16 keeps infs and NaNs as they are.
+
 Rules (:func:`choose`): only real floating-point values wider than the format are encoded
 (booleans are packed to bits elsewhere; integers, complex values and narrower floats are kept as
 they are). fp8 and int8 need rows of at least :data:`MIN_ROW` elements (a shorter row costs more
@@ -121,8 +124,11 @@ def encode(x, enc: Encoding):
     xf = x.astype(jnp.float32)
     absmax = jnp.max(jnp.abs(xf), axis=-1)
     top = _FP8_MAX if enc.format == "fp8" else _INT8_MAX
-    # A zero (or non-finite) row gets scale 1: its zeros encode exactly.
-    scale = jnp.where(jnp.isfinite(absmax) & (absmax > 0), absmax / top, 1.0)
+    # A zero row gets scale 1: its zeros encode exactly. A row holding an inf or a NaN keeps
+    # its non-finite absmax as its scale, so it decodes non-finite (NaN, or inf) and the
+    # gradient shows it, as without compress: clipped, it would be silently finite.
+    finite = jnp.isfinite(absmax)
+    scale = jnp.where(finite & (absmax > 0), absmax / top, jnp.where(finite, 1.0, absmax))
     q = xf / scale[..., None]
     if enc.format == "fp8":
         bits = jax.lax.bitcast_convert_type(jnp.clip(q, -top, top).astype(_FP8), jnp.uint8)
