@@ -21,7 +21,9 @@ an unrematerialized one, as full remat does, with O(1) memory in depth instead o
 Reconstruction is exact in real arithmetic, not in floating point: each inverse step subtracts a
 recomputed ``F_i`` and rounds, and the error grows with depth, fastest in bfloat16.
 ``anchor_every=k`` stores the exact streams every ``k`` layers (memory O(depth / k)) and restarts
-the reconstruction from them, so the error spans at most ``k`` layers.
+the reconstruction from them, so the error spans at most ``k`` layers. ``compress=`` stores those
+anchors in fewer bits (bf16, fp8 or int8, the formats of ``jaxmem.scan(compress=...)``,
+docs/compress.md): the restart points are then rounded, and the gradient is an approximation.
 
 Random numbers replay identically if they are functions of the layer's parameters: give each
 layer its key in ``params`` (``params = {..., "key": jax.random.split(key, depth)}``), as with
@@ -45,7 +47,9 @@ from jax import lax
 from jax.tree_util import tree_flatten, tree_map, tree_structure, tree_unflatten
 
 from jaxmem._src import checks
+from jaxmem._src import jax_compat as _jc
 from jaxmem._src import vjp_primitive as _vjp_primitive
+from jaxmem._src.scan import compress as _compress
 from jaxmem._src.scan.options import ScanOptions, apply_policy
 
 
@@ -163,6 +167,7 @@ class Coupling:
         anchor_every: int | None = None,
         policy: Callable | str | None = None,
         unroll: int | bool = 1,
+        compress: str | None = None,
     ) -> tuple[Any, ...]:
         """Runs ``length`` layers of the coupling, with the reversible gradient.
 
@@ -188,6 +193,15 @@ class Coupling:
             name such as ``"dots"``): it bounds the memory of one layer's backward step.
             ``"auto"`` takes the active :func:`jaxmem.use_plan`'s.
           unroll: loop unrolling passed to :func:`jax.lax.scan` (forward and backward loops).
+          compress: None (default) keeps the anchors exact. ``"bf16"``, ``"fp8"`` or ``"int8"``
+            stores each floating-point leaf of the anchors in that format (the formats and rules
+            of ``jaxmem.scan(compress=...)``, docs/compress.md): encoded in the forward pass,
+            decoded where the backward loop restarts from it. The forward output and the final
+            streams the backward loop starts from stay exact; the gradient is approximate, as
+            each segment's reconstruction restarts from rounded streams. With
+            ``anchor_every=None`` nothing is kept and ``compress`` changes nothing.
+            First-order reverse mode only: higher-order differentiation (``jax.hessian``, grad
+            of grad) with anchors and a format raises.
 
         Returns:
           The output streams, a tuple like ``streams``.
@@ -196,7 +210,9 @@ class Coupling:
           TypeError: streams that are not a tuple of ``len(fns)`` pytrees of floating-point
             arrays; a function whose result differs from its stream in structure, shape or
             dtype; ``params`` leaves without the common leading axis. Messages give the path.
-          ValueError: a bad ``length`` or ``anchor_every``.
+          ValueError: a bad ``length``, ``anchor_every`` or ``compress``.
+          NotImplementedError: ``compress`` with ``anchor_every`` under higher-order
+            differentiation (no derivative flows through the encoded anchors).
 
         Examples:
           >>> import jax, jax.numpy as jnp
@@ -213,7 +229,7 @@ class Coupling:
           {'f': (16, 4, 4), 'g': (16, 4, 4)}
         """
         fname = "jaxmem.reversible_scan" if len(self.fns) == 2 else "jaxmem.Coupling.scan"
-        opts = ScanOptions.create(fname, policy=policy, unroll=unroll)
+        opts = ScanOptions.create(fname, policy=policy, unroll=unroll, compress=compress)
         streams = self._check_streams(streams, fname)
         n_layers = _check_params(params, length, fname)
         k = check_anchor(anchor_every, n_layers, fname)
@@ -234,7 +250,9 @@ class Coupling:
         diff = [jnp.issubdtype(jnp.result_type(v), jnp.inexact) for v in p_leaves]
         s_leaves, s_trees = zip(*(tree_flatten(s) for s in streams), strict=True)
         c_diff = [[jnp.issubdtype(jnp.result_type(c), jnp.inexact) for c in cs] for cs in consts]
-        run = _make_run(converted, p_tree, diff, s_trees, c_diff, n_layers, k, unroll)
+        run = _make_run(
+            converted, p_tree, diff, s_trees, c_diff, n_layers, k, unroll, opts.compress, fname
+        )
         out = run(
             [list(v) for v in s_leaves],
             [v for v, d in zip(p_leaves, diff, strict=True) if d],
@@ -333,10 +351,22 @@ def _zeros_cotangent(x):
     return np.zeros(np.shape(x), dtype=jax.dtypes.float0)
 
 
-def _make_run(fns, p_tree, diff, s_trees, c_diff, n_layers: int, k: int | None, unroll):
+def _make_run(
+    fns, p_tree, diff, s_trees, c_diff, n_layers: int, k: int | None, unroll, compress, fname
+):
     """The custom-VJP function over flat leaves:
-    ``run(streams, p_diff, p_fixed, c_diff, c_fixed) -> streams`` (lists of leaves)."""
+    ``run(streams, p_diff, p_fixed, c_diff, c_fixed) -> streams`` (lists of leaves).
+
+    With ``k`` and ``compress``, each leaf of the anchors is stored as
+    ``_compress.encode(leaf, choose(leaf, compress))`` and decoded in the backward loop."""
     n = len(fns)
+
+    def encodings(s):
+        """The encoding of each leaf of the streams ``s`` (lists of leaves) in the anchors."""
+        return [
+            [_compress.choose(jax.ShapeDtypeStruct(v.shape, v.dtype), compress) for v in vs]
+            for vs in s
+        ]
 
     def merge(p_d, p_f):
         it_d, it_f = iter(p_d), iter(p_f)
@@ -374,9 +404,17 @@ def _make_run(fns, p_tree, diff, s_trees, c_diff, n_layers: int, k: int | None, 
         if r:
             s, _ = lax.scan(body, s, head, unroll=unroll)
 
+        encs = encodings(s)
+
         def segment(s, x):
             out, _ = lax.scan(body, s, x, unroll=unroll)
-            return out, (s if keep else None)
+            if not keep:
+                return out, None
+            kept = [
+                [_compress.encode(v, e) for v, e in zip(vs, es, strict=True)]
+                for vs, es in zip(s, encs, strict=True)
+            ]
+            return out, kept
 
         s, anchors = lax.scan(segment, s, tail)
         return s, anchors
@@ -425,10 +463,16 @@ def _make_run(fns, p_tree, diff, s_trees, c_diff, n_layers: int, k: int | None, 
         head = tree_map(lambda a: a[:r], (p_d, p_f))
         tail = tree_map(lambda a: a[r:].reshape((q, k) + a.shape[1:]), (p_d, p_f))
 
+        encs = encodings(s)
+
         def segment(carry, x):
-            anchor, p = x
+            kept, p = x
             (_, ds, dcd), dp = lax.scan(body, carry, p, reverse=True, unroll=unroll)
-            return (anchor, ds, dcd), dp  # restart from the exact inputs of the segment
+            anchor = [
+                [_compress.decode(v, e) for v, e in zip(vs, es, strict=True)]
+                for vs, es in zip(kept, encs, strict=True)
+            ]
+            return (anchor, ds, dcd), dp  # restart from the kept inputs of the segment
 
         (s, ds, dcd), dp_tail = lax.scan(segment, (s, ds, dcd), (anchors, tail), reverse=True)
         dp_tail = [v.reshape((q * k,) + v.shape[2:]) for v in dp_tail]
@@ -441,6 +485,17 @@ def _make_run(fns, p_tree, diff, s_trees, c_diff, n_layers: int, k: int | None, 
         return forward(s, p_d, p_f, cd, cf, keep=False)[0]
 
     def fwd(s, p_d, p_f, cd, cf):
+        if (
+            compress is not None
+            and k is not None
+            and any(_jc.is_differentiated(v) for v in jax.tree.leaves((s, p_d, cd)))
+        ):
+            raise NotImplementedError(
+                f"{fname} got compress={compress!r} under higher-order differentiation "
+                "(jax.hessian, grad of grad): the anchors it keeps are integer bits, through "
+                "which no derivative flows, so the result would be wrong. Use compress=None for "
+                "higher-order derivatives."
+            )
         out, anchors = forward(s, p_d, p_f, cd, cf, keep=True)
         return out, (out, p_d, p_f, cd, cf, anchors)
 
@@ -517,7 +572,8 @@ def reversible_scan(
     """A stack of RevNet layers ``y1 = x1 + f(p, x2)``, ``y2 = x2 + g(p, y1)`` (memory O(1)).
 
     ``reversible(f, g).scan(streams, params, **kwargs)``: see :meth:`Coupling.scan` for the
-    arguments (``length``, ``anchor_every``, ``policy``, ``unroll``).
+    arguments (``length``, ``anchor_every``, ``policy``, ``unroll``,
+    ``compress``).
 
     Args:
       f: ``f(p, x2) -> array(s) like x1``, ``p`` the layer's slice of ``params``.

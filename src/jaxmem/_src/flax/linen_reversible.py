@@ -84,14 +84,14 @@ def _aval(shape: tuple, dtype: Any) -> str:
     return f"{jnp.dtype(dtype).name}[{','.join(str(d) for d in shape)}]"
 
 
-def _check_options(policy, anchor_every, unroll, length, fname):
+def _check_options(policy, anchor_every, unroll, length, fname, compress=None):
     """The stack's policy (a preset name resolved), after checking every option."""
-    opts = ScanOptions.create(fname, policy=policy, unroll=unroll)
+    opts = ScanOptions.create(fname, policy=policy, unroll=unroll, compress=compress)
     _rev.check_anchor(anchor_every, length, fname)
     return opts.policy
 
 
-def _run(f, g, streams, params, *, length, anchor_every, policy, unroll, fname):
+def _run(f, g, streams, params, *, length, anchor_every, policy, unroll, compress, fname):
     """:func:`jaxmem.reversible_scan`, its argument errors prefixed with ``fname``."""
     try:
         return _rev.reversible_scan(
@@ -103,6 +103,7 @@ def _run(f, g, streams, params, *, length, anchor_every, policy, unroll, fname):
             anchor_every=anchor_every,
             policy=policy,
             unroll=unroll,
+            compress=compress,
         )
     except (TypeError, ValueError) as e:
         if type(e) not in (TypeError, ValueError):
@@ -126,6 +127,7 @@ class _LinenSpec:
     split_rngs: Mapping[str, bool]
     unroll: int | bool
     metadata_params: Mapping[Any, Any]
+    compress: str | None = None
 
 
 class _LinenReversible(nn.Module):
@@ -164,6 +166,7 @@ class _LinenReversible(nn.Module):
             anchor_every=spec.anchor_every,
             policy=spec.policy,
             unroll=spec.unroll,
+            compress=spec.compress,
             fname=fname,
         )
 
@@ -235,6 +238,7 @@ def reversible_layers(
     split_rngs: Mapping[str, bool] = _DEFAULT_SPLIT_RNGS,
     unroll: int | bool = 1,
     metadata_params: Mapping[Any, Any] | None = None,
+    compress: str | None = None,
 ) -> type[nn.Module]:
     """A reversible stack of ``length`` linen layers ``y1 = x1 + F(x2)``, ``y2 = x2 + G(y1)``.
 
@@ -271,6 +275,9 @@ def reversible_layers(
       unroll: loop unrolling, passed to :func:`jaxmem.reversible_scan`.
       metadata_params: passed to ``nn.Partitioned``-style variable metadata (``add_axis``), as
         in :func:`scan_layers`.
+      compress: as in :func:`jaxmem.reversible_scan`: None (default) keeps the anchors exact;
+        ``"bf16"``, ``"fp8"`` or ``"int8"`` stores them in that format (docs/compress.md), a
+        lossy gradient for less memory. Without ``anchor_every`` it changes nothing.
 
     Returns:
       A linen Module class.
@@ -280,10 +287,10 @@ def reversible_layers(
         ``policy``, ``anchor_every``, ``split_rngs`` or ``unroll``; (when called) streams that
         are not a pair, or a block whose output differs from its stream in structure, shape or
         dtype.
-      ValueError: ``length < 1``, ``anchor_every < 1``, an unknown policy name; (when
-        initialized) a block creating variables outside ``params`` (BatchNorm statistics and
-        other mutable state cannot be carried by a reversible stack); (when applied) params
-        whose leading axis is not ``length``.
+      ValueError: ``length < 1``, ``anchor_every < 1``, an unknown policy name or ``compress``
+        format; (when initialized) a block creating variables outside ``params`` (BatchNorm
+        statistics and other mutable state cannot be carried by a reversible stack); (when
+        applied) params whose leading axis is not ``length``.
 
     Examples:
       A RevNet-style stack of MLP blocks with dropout, both streams starting from ``x``:
@@ -320,11 +327,12 @@ def reversible_layers(
         f_block=f_block,
         g_block=g_block,
         length=length,
-        policy=_check_options(policy, anchor_every, unroll, length, fname),
+        policy=_check_options(policy, anchor_every, unroll, length, fname, compress),
         anchor_every=anchor_every,
         split_rngs=_check_split_rngs(split_rngs, fname),
         unroll=unroll,
         metadata_params=dict(metadata_params or {}),
+        compress=compress,
     )
     names = [getattr(getattr(b, "func", b), "__name__", "Block") for b in (f_block, g_block)]
     name = f"Reversible{names[0]}{names[1]}"

@@ -129,16 +129,19 @@ class ReversibleLayers(nnx.Module):
       transform_metadata: as :class:`ScanLayers`' (``{nnx.PARTITION_NAME: axis}``): the name of
         the layer axis in the stacked variables' sharding metadata (``None``: not sharded),
         removed from each layer's slice before its blocks run.
+      compress: as in :func:`jaxmem.reversible_scan`: None (default) keeps the anchors exact;
+        ``"bf16"``, ``"fp8"`` or ``"int8"`` stores them in that format (docs/compress.md), a
+        lossy gradient for less memory. Without ``anchor_every`` it changes nothing.
 
     Raises:
       TypeError: ``make_f``/``make_g`` not callable or not returning an ``nnx.Module``; a bad
         ``policy``, ``anchor_every``, ``unroll`` or ``transform_metadata``; (when called)
         streams that are not a pair, or a block whose output differs from its stream in
         structure, shape or dtype.
-      ValueError: ``length < 1``, ``anchor_every < 1``, an unknown policy name; a block holding
-        state other than ``nnx.Param`` and RNG streams (BatchNorm statistics and other mutable
-        state cannot be carried by a reversible stack); (when called) stacked state whose
-        leading axis is not ``length``.
+      ValueError: ``length < 1``, ``anchor_every < 1``, an unknown policy name or ``compress``
+        format; a block holding state other than ``nnx.Param`` and RNG streams (BatchNorm
+        statistics and other mutable state cannot be carried by a reversible stack); (when
+        called) stacked state whose leading axis is not ``length``.
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -179,14 +182,16 @@ class ReversibleLayers(nnx.Module):
         anchor_every: int | None = None,
         unroll: int | bool = 1,
         transform_metadata: Mapping[str, Any] = FrozenDict({}),
+        compress: str | None = None,
     ):
         fname = "jaxmem.flax.nnx.ReversibleLayers"
         _check_make(make_f, "make_f", fname)
         _check_make(make_g, "make_g", fname)
         self.length = _check_length(length, fname)
-        self.policy = _check_options(policy, anchor_every, unroll, self.length, fname)
+        self.policy = _check_options(policy, anchor_every, unroll, self.length, fname, compress)
         self.anchor_every = anchor_every
         self.unroll = unroll
+        self.compress = compress
         self.transform_metadata = _check_transform_metadata(transform_metadata, fname)
         meta = self.transform_metadata
         self.f = _create_stack(make_f, self.length, rngs, "make_f", fname, meta)
@@ -225,6 +230,7 @@ class ReversibleLayers(nnx.Module):
             anchor_every=self.anchor_every,
             policy=self.policy,
             unroll=self.unroll,
+            compress=self.compress,
             fname=fname,
         )
         # The RNG counters move on as the layers' own calls move them (values are not needed:
@@ -263,6 +269,7 @@ def reversible_layers(
     anchor_every: int | None = None,
     unroll: int | bool = 1,
     transform_metadata: Mapping[str, Any] = FrozenDict({}),
+    compress: str | None = None,
 ) -> ReversibleLayers:
     """Builds a :class:`ReversibleLayers` stack: ``length`` RevNet layers of NNX blocks.
 
@@ -278,6 +285,8 @@ def reversible_layers(
       anchor_every: as in :func:`jaxmem.reversible_scan`.
       unroll: loop unrolling.
       transform_metadata: the layer axis's name in sharding metadata, as :class:`ScanLayers`'.
+      compress: the format of the anchors (None, ``"bf16"``, ``"fp8"``, ``"int8"``), as in
+        :func:`jaxmem.reversible_scan`.
 
     Returns:
       The :class:`ReversibleLayers` module.
@@ -310,4 +319,5 @@ def reversible_layers(
         anchor_every=anchor_every,
         unroll=unroll,
         transform_metadata=transform_metadata,
+        compress=compress,
     )
