@@ -188,7 +188,7 @@ def is_statistic(jaxpr, var, eqn_of=None) -> bool:
             ]
         if not nxt:
             return False
-        frontier = nxt
+        frontier = list(dict.fromkeys(nxt))  # each variable once per level
     return False
 
 
@@ -224,11 +224,16 @@ def encoder(jaxpr, compress: str | None):
         return lambda v: Encoding(None, tuple(v.aval.shape), v.aval.dtype)
     exp_fed = feeds_exp(jaxpr) if compress in ("fp8", "int8") else frozenset()
     eqn_of = {v: e for e in jaxpr.eqns for v in e.outvars}
+    memo: dict = {}  # the cut asks for every value, once per cut it tries
 
     def encoding(v) -> Encoding:
-        if _jaxprs.packs_bits(v.aval):
-            return choose(v.aval, None)
-        return choose(v.aval, compress, v in exp_fed, is_statistic(jaxpr, v, eqn_of))
+        if v not in memo:
+            if _jaxprs.packs_bits(v.aval):
+                memo[v] = choose(v.aval, None)
+            else:
+                stat = is_statistic(jaxpr, v, eqn_of)
+                memo[v] = choose(v.aval, compress, v in exp_fed, stat)
+        return memo[v]
 
     return encoding
 
