@@ -165,13 +165,13 @@ def rnn_loss(scan, **kw):
 def test_rnn_gradients(reverse, unroll):
     """13 steps: checkpoints 1, 2, 3, "sqrt" (4) and the length, in one program."""
     args = rnn_problem()
-    ref = jax.grad(rnn_loss(jax.lax.scan, reverse=reverse), (0, 1, 2))(*args)
+    ref_grad = jax.grad(rnn_loss(jax.lax.scan, reverse=reverse), (0, 1, 2))
     ks = (1, 2, 3, "sqrt", T)
     grads = [
         jax.grad(rnn_loss(jaxmem.scan, reverse=reverse, unroll=unroll, checkpoints=k), (0, 1, 2))
         for k in ks
     ]
-    got = jax.jit(lambda *a: [g(*a) for g in grads])(*args)
+    ref, got = jax.jit(lambda *a: (ref_grad(*a), [g(*a) for g in grads]))(*args)
     for k, g in zip(ks, got, strict=True):
         assert_trees_close(g, ref, 1e-5, f"k={k} reverse={reverse} unroll={unroll}")
 
@@ -189,12 +189,13 @@ def test_pytree_carry_with_int_leaf_and_no_xs():
         (h, n, acc), ys = scan(step, (c0, jnp.int32(0), jnp.float32(0)), None, length=9, **kw)
         return jnp.sum(h**2) + acc + jnp.sum(ys["h"][::2]) + n.astype(jnp.float32)
 
-    ref = jax.value_and_grad(functools.partial(loss, jax.lax.scan), (0, 1))(w, c0)
+    ref_fn = jax.value_and_grad(functools.partial(loss, jax.lax.scan), (0, 1))
     ks = (1, 4, 9)
     fns = [
         jax.value_and_grad(functools.partial(loss, jaxmem.scan, checkpoints=k), (0, 1)) for k in ks
     ]
-    for k, got in zip(ks, jax.jit(lambda *a: [f(*a) for f in fns])(w, c0), strict=True):
+    ref, out = jax.jit(lambda *a: (ref_fn(*a), [f(*a) for f in fns]))(w, c0)
+    for k, got in zip(ks, out, strict=True):
         assert_trees_close(got, ref, 1e-5, f"k={k}")
 
 
@@ -222,9 +223,13 @@ def test_gradient_of_ys_only_and_of_final_carry_only():
 @pytest.mark.parametrize("policy", ["dots", "nothing"])
 def test_policy(policy):
     args = rnn_problem(2)
-    ref = jax.grad(rnn_loss(jax.lax.scan), (0, 1, 2))(*args)
     pol = jaxmem.policies.by_name(policy)
-    got = jax.grad(rnn_loss(jaxmem.scan, policy=pol, checkpoints=4), (0, 1, 2))(*args)
+    got, ref = jax.jit(
+        lambda *a: [
+            jax.grad(rnn_loss(scan, **kw), (0, 1, 2))(*a)
+            for scan, kw in ((jaxmem.scan, {"policy": pol, "checkpoints": 4}), (jax.lax.scan, {}))
+        ]
+    )(*args)
     assert_trees_close(got, ref, 1e-5, policy)
 
 
@@ -244,30 +249,37 @@ def test_nested_scans():
 
         return f
 
-    ref = jax.grad(loss(jax.lax.scan, jax.lax.scan), (0, 1, 2))(w, xs, h0)
     ck = functools.partial(jaxmem.scan, checkpoints=2)
-    for outer, inner in ((ck, jaxmem.scan), (jaxmem.scan, ck), (ck, ck)):
-        got = jax.jit(jax.grad(loss(outer, inner), (0, 1, 2)))(w, xs, h0)
-        assert_trees_close(got, ref, 1e-5)
+    pairs = ((jax.lax.scan, jax.lax.scan), (ck, jaxmem.scan), (jaxmem.scan, ck), (ck, ck))
+    ref, *got = jax.jit(
+        lambda *a: [jax.grad(loss(outer, inner), (0, 1, 2))(*a) for outer, inner in pairs]
+    )(w, xs, h0)
+    for g, (outer, inner) in zip(got, pairs[1:], strict=True):
+        assert_trees_close(g, ref, 1e-5, f"outer {outer}, inner {inner}")
 
 
 def test_vmap_of_grad_and_grad_under_vmap():
     w, xs, h0 = rnn_problem(3)
     xs_b = jnp.stack([xs, xs * 0.5, -xs])
-    ref = jax.vmap(jax.grad(rnn_loss(jax.lax.scan)), (None, 0, None))(w, xs_b, h0)
-    got = jax.jit(jax.vmap(jax.grad(rnn_loss(jaxmem.scan, checkpoints=3)), (None, 0, None)))(
-        w, xs_b, h0
-    )
-    assert_trees_close(got, ref, 1e-5)
-    # grad of a vmapped loss (the batch inside the custom VJP).
     h0_b = jnp.stack([h0, 2 * h0])
 
     def batched(scan, **kw):
         return lambda w, h0_b: jnp.sum(jax.vmap(rnn_loss(scan, **kw), (None, None, 0))(w, xs, h0_b))
 
-    ref = jax.grad(batched(jax.lax.scan), (0, 1))(w, h0_b)
-    got = jax.jit(jax.grad(batched(jaxmem.scan, checkpoints="sqrt"), (0, 1)))(w, h0_b)
-    assert_trees_close(got, ref, 1e-5)
+    def both(w, xs_b, h0, h0_b):
+        return [
+            # vmap of grad (checkpoints=3 against lax.scan)
+            jax.vmap(jax.grad(rnn_loss(scan, **kw)), (None, 0, None))(w, xs_b, h0)
+            for scan, kw in ((jaxmem.scan, {"checkpoints": 3}), (jax.lax.scan, {}))
+        ] + [
+            # grad of a vmapped loss (the batch inside the custom VJP; checkpoints="sqrt")
+            jax.grad(batched(scan, **kw), (0, 1))(w, h0_b)
+            for scan, kw in ((jaxmem.scan, {"checkpoints": "sqrt"}), (jax.lax.scan, {}))
+        ]
+
+    got, ref, got_b, ref_b = jax.jit(both)(w, xs_b, h0, h0_b)
+    assert_trees_close(got, ref, 1e-5, "vmap of grad")
+    assert_trees_close(got_b, ref_b, 1e-5, "grad under vmap")
 
 
 def test_eager_and_primal():
@@ -287,21 +299,37 @@ def test_hessian_and_grad_of_grad():
     def loss(scan, **kw):
         return lambda w: rnn_loss(scan, **kw)(w, xs, h0)
 
-    v = jnp.ones_like(w) / 4  # a Hessian-vector product: jvp of grad
-    ref = jax.jvp(jax.grad(loss(jax.lax.scan)), (w,), (v,))
-    got = jax.jit(lambda w, v: jax.jvp(jax.grad(loss(jaxmem.scan, checkpoints=2)), (w,), (v,)))
-    assert_trees_close(got(w, v), ref, 1e-5)
-    for k in (2, 3, 5):  # advances of 2, 1 and 0 steps at most
-        gg = lambda f: jax.grad(lambda w: jnp.sum(jax.grad(f)(w) ** 2))(w)
-        assert_trees_close(gg(loss(jaxmem.scan, checkpoints=k)), gg(loss(jax.lax.scan)), 1e-5)
+    def hvp(f, w, v):  # a Hessian-vector product: jvp of grad
+        return jax.jvp(jax.grad(f), (w,), (v,))
+
+    def gg(f, w):
+        return jax.grad(lambda w: jnp.sum(jax.grad(f)(w) ** 2))(w)
+
+    ks = (2, 3, 5)  # advances of 2, 1 and 0 steps at most
+
+    def all_of_them(w, v):
+        ref = hvp(loss(jax.lax.scan), w, v), gg(loss(jax.lax.scan), w)
+        return (
+            ref,
+            hvp(loss(jaxmem.scan, checkpoints=2), w, v),
+            [gg(loss(jaxmem.scan, checkpoints=k), w) for k in ks],
+        )
+
+    (ref_hvp, ref_gg), got_hvp, got_gg = jax.jit(all_of_them)(w, jnp.ones_like(w) / 4)
+    assert_trees_close(got_hvp, ref_hvp, 1e-5, "hvp")
+    for k, got in zip(ks, got_gg, strict=True):
+        assert_trees_close(got, ref_gg, 1e-5, f"grad of grad, checkpoints={k}")
 
 
 def test_length_one_and_zero():
     w, xs, h0 = rnn_problem(6, t=1)
-    for t in (1, 0):
-        args = (w, xs[:t], h0)
-        ref = jax.grad(rnn_loss(jax.lax.scan), (0, 1, 2))(*args)
-        got = jax.grad(rnn_loss(jaxmem.scan, checkpoints=1), (0, 1, 2))(*args)
+    grads = [
+        jax.grad(rnn_loss(scan, **kw), (0, 1, 2))
+        for scan, kw in ((jaxmem.scan, {"checkpoints": 1}), (jax.lax.scan, {}))
+    ]
+    lengths = (1, 0)
+    out = jax.jit(lambda w, h0: [[g(w, xs[:t], h0) for g in grads] for t in lengths])(w, h0)
+    for t, (got, ref) in zip(lengths, out, strict=True):
         assert_trees_close(got, ref, 1e-5, f"T={t}")
 
 
