@@ -319,3 +319,16 @@ def next_remat_and_custom_vjp():
 def test_under_remat3_and_custom_vjp3(next_remat_and_custom_vjp, option, mode):
     ours = _loss(jaxmem.scan, **OPTIONS[option])
     _close(MODES[mode](ours), _reference(mode, next_remat=True))
+
+
+@pytest.mark.parametrize("option", ["lean", "checkpoints2"])
+def test_reverse_over_forward_of_a_jitted_loss(option):
+    # Inside jit JAX linearizes the inner JVP by partial evaluation: the tangents come from
+    # _LinearizedScan, which then needs reverse-mode rules of its own (it raised
+    # NotImplementedError: "must implement vjp_fwd").
+    def rof(scan, **kw):
+        f = jax.jit(_loss(scan, **kw))
+        tangents = (W, XS, H0)
+        return jax.grad(lambda *a: jax.jvp(f, a, tangents)[1], argnums=(0, 1, 2))(W, XS, H0)
+
+    _close(rof(jaxmem.scan, **OPTIONS[option]), rof(jax.lax.scan))

@@ -12,7 +12,8 @@ it runs as the custom VJP of its rules (reverse mode only). The primitive's rule
   ``lax.scan``'s residuals). Where JAX linearizes by JVP and partial evaluation (a
   ``jax.checkpoint`` around the scan), which cannot split a primitive into known and unknown
   parts, the rule returns the lean forward loop's outputs and residuals (known) and
-  :class:`_LinearizedScan` of the tangents, whose transpose is the lean backward loop;
+  :class:`_LinearizedScan` of the tangents, whose transpose is the lean backward loop (and whose
+  own reverse mode, reached by grad of the JVP of a jitted function, is that of lax.scan's JVP);
 - batching (``jax.vmap``): a jaxmem scan of the vmapped step, the batch axis of the scanned
   inputs and outputs right after the time axis;
 - DCE and remat: the primitive's defaults (an unused scan is removed; ``jax.checkpoint`` around
@@ -288,6 +289,22 @@ class _LinearizedScan(_jc.HiPrimitive):
             ),
         )
         return jax.jvp(self.expand, primals, tangents)
+
+    # Reverse mode through the tangents themselves (grad of jvp of a jitted function, where JAX
+    # linearizes the inner JVP by partial evaluation): the VJP of lax.scan's JVP, which is what
+    # this primitive computes when run forward.
+    def vjp_fwd(self, nzs_in, saved, primals, nz_tangents):
+        return self.expand(saved, primals, nz_tangents), (saved, primals, nz_tangents)
+
+    def vjp_bwd_retval(self, res, cts):
+        cts = jax.tree.map(
+            lambda c, a: _jc.zero_tangent_value(a) if _is_zero(c) else c,
+            cts,
+            self.out_aval,
+            is_leaf=_is_zero,
+        )
+        _, pull = jax.vjp(self.expand, *res)
+        return pull(cts)
 
     def transpose(self, cts, saved, primals, nz_accums):
         if all(_is_zero(c) for g in cts for c in g):
