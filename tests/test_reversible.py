@@ -1,6 +1,7 @@
 """jaxmem.reversible / reversible_scan: gradients equal the direct (unscanned, non-reversible)
 computation, memory does not grow with depth, bad input gets clear errors."""
 
+import functools
 import math
 
 import jax
@@ -68,11 +69,17 @@ def grads(run, params, streams):
     )
 
 
+@functools.cache
+def _direct_at_depth_16():
+    """The reference for every anchor_every below, computed (and compiled) once."""
+    params = make_params(16)
+    want = grads(lambda p, x: direct((f, g), p, x, 16), params, X)
+    return params, want, direct((f, g), params, X, 16)
+
+
 @pytest.mark.parametrize("anchor_every", [None, 1, 3, 4, 16, 100])
 def test_gradients_equal_the_direct_computation_at_depth_16(anchor_every):
-    depth = 16
-    params = make_params(depth)
-    want = grads(lambda p, x: direct((f, g), p, x, depth), params, X)
+    params, want, want_out = _direct_at_depth_16()
     got = grads(
         lambda p, x: jaxmem.reversible_scan(f, g, x, p, anchor_every=anchor_every), params, X
     )
@@ -82,7 +89,7 @@ def test_gradients_equal_the_direct_computation_at_depth_16(anchor_every):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     # The outputs are the direct computation's, eagerly too.
     out = jaxmem.reversible_scan(f, g, X, params, anchor_every=anchor_every)
-    for a, b in zip(out, direct((f, g), params, X, depth), strict=True):
+    for a, b in zip(out, want_out, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -381,24 +388,33 @@ def test_every_transformation_matches_the_direct_loop(anchor_every):
     ours = loss(lambda p, x: jaxmem.reversible_scan(f, g, x, p, anchor_every=anchor_every))
     ref = loss(lambda p, x: direct((f, g), p, x, 4))
     x2 = tuple(jnp.stack([v, -v]) for v in X)
-    modes = {
-        "jvp": lambda h: jax.jvp(h, (params, X), (params, X)),
-        "jacfwd": lambda h: jax.jacfwd(h, argnums=1)(params, X),
-        "linearize": lambda h: jax.linearize(h, params, X)[1](params, X),
-        "hessian": lambda h: jax.hessian(lambda x: h(params, x))(X),
-        "grad_of_grad": lambda h: jax.grad(
-            lambda p: sum(jnp.sum(v**2) for v in jax.tree.leaves(jax.grad(h)(p, X)))
-        )(params),
-        "vmap_of_grad": lambda h: jax.vmap(jax.grad(h), in_axes=(None, 0))(params, x2),
-        "grad_of_vmap": lambda h: jax.grad(
-            lambda p: jnp.sum(jax.vmap(h, in_axes=(None, 0))(p, x2))
-        )(params),
-        "vmap_of_jvp": lambda h: jax.vmap(lambda t: jax.jvp(lambda x: h(params, x), (X,), (t,))[1])(
-            x2
-        ),
-    }
-    for name, mode in modes.items():
-        got, want = mode(ours), mode(ref)
+
+    def modes(params, X, x2):
+        return {
+            "jvp": lambda h: jax.jvp(h, (params, X), (params, X)),
+            "jacfwd": lambda h: jax.jacfwd(h, argnums=1)(params, X),
+            "linearize": lambda h: jax.linearize(h, params, X)[1](params, X),
+            "hessian": lambda h: jax.hessian(lambda x: h(params, x))(X),
+            "grad_of_grad": lambda h: jax.grad(
+                lambda p: sum(jnp.sum(v**2) for v in jax.tree.leaves(jax.grad(h)(p, X)))
+            )(params),
+            "vmap_of_grad": lambda h: jax.vmap(jax.grad(h), in_axes=(None, 0))(params, x2),
+            "grad_of_vmap": lambda h: jax.grad(
+                lambda p: jnp.sum(jax.vmap(h, in_axes=(None, 0))(p, x2))
+            )(params),
+            "vmap_of_jvp": lambda h: jax.vmap(
+                lambda t: jax.jvp(lambda x: h(params, x), (X,), (t,))[1]
+            )(x2),
+        }
+
+    def every_mode(h):
+        """All the modes of h in one jitted program (one compile, not one per mode)."""
+        return jax.jit(lambda *a: {n: m(h) for n, m in modes(*a).items()})(params, X, x2)
+
+    got_all, want_all = every_mode(ours), every_mode(ref)
+    assert set(got_all) == set(want_all) == set(modes(params, X, x2))
+    for name in got_all:
+        got, want = got_all[name], want_all[name]
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5, err_msg=name)
 
@@ -453,11 +469,12 @@ def test_vmap_over_an_ensemble_and_reverse_over_reverse():
         return loss_of(lambda p, x: direct((f, g), p, x, depth))(p, x)
 
     got = jax.jit(jax.vmap(jax.grad(rev, argnums=(0, 1))))(params, streams)
-    want = jax.vmap(jax.grad(ref, argnums=(0, 1)))(params, streams)
+    want = jax.jit(jax.vmap(jax.grad(ref, argnums=(0, 1))))(params, streams)
     assert rel_err(got, want) < 1e-5
     p0 = jax.tree.map(lambda a: a[0], params)
 
     def grad_norm(loss):
         return lambda p: sum(jnp.sum(v**2) for v in jax.tree.leaves(jax.grad(loss)(p, X)))
 
-    assert rel_err(jax.grad(grad_norm(rev))(p0), jax.grad(grad_norm(ref))(p0)) < 1e-4
+    rev_rev = jax.jit(jax.grad(grad_norm(rev)))(p0)
+    assert rel_err(rev_rev, jax.jit(jax.grad(grad_norm(ref)))(p0)) < 1e-4

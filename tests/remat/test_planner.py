@@ -80,8 +80,9 @@ def test_plans_keep_gradients_and_are_what_use_plan_compiles(gpt):
     grad = jax.jit(jax.grad(loss))  # Jitted once, outside any plan: the plan is in the jit key.
     for p in (front.plans[0], front.plans[2]):
         with jaxmem.use_plan(p):
-            temp = grad.lower(params, tokens).compile().memory_analysis().temp_size_in_bytes
             got = grad(params, tokens)
+            # After the call, lower().compile() is the program the call compiled (cached).
+            temp = grad.lower(params, tokens).compile().memory_analysis().temp_size_in_bytes
         assert temp == p.measured_temp_bytes
         _close(got, ref)
         # The policy alone (no use_plan) gives the same program when the plan has no
@@ -197,8 +198,14 @@ def _rnn_stock(w, xs):
     return jnp.sum(jax.lax.scan(step, jnp.ones((4, 32)), xs)[0] ** 2)
 
 
-def test_below_full_remat_the_plan_uses_checkpoints():
-    full = jaxmem.plan(_rnn_loss, *RNN_ARGS, budget=2**40, presets=False)
+@pytest.fixture(scope="module")
+def rnn_full():
+    """The loose plan (no presets) of the RNN: its trials are the ends, measured once."""
+    return jaxmem.plan(_rnn_loss, *RNN_ARGS, budget=2**40, presets=False)
+
+
+def test_below_full_remat_the_plan_uses_checkpoints(rnn_full):
+    full = rnn_full
     lo = dict((k, t) for k, t, _ in full.trials)["save nothing"]
     p = jaxmem.plan(_rnn_loss, *RNN_ARGS, budget=lo - 1, presets=False, known=full.trials)
     assert p.checkpoints == "sqrt" and p.measured_temp_bytes <= lo - 1
@@ -231,12 +238,12 @@ def test_frontier_marks_the_chosen_plan(tmp_path):
         jaxmem.plan(_rnn_loss, *RNN_ARGS, budget=0, known=trials, checkpoints=False)
 
 
-def test_where_offload_is_measurable_it_joins_the_search_below_full_remat(monkeypatch):
+def test_where_offload_is_measurable_it_joins_the_search_below_full_remat(monkeypatch, rnn_full):
     # CPU cannot measure offload (it is the identity there); pretend it can, to check the
     # search's offload branch: below full remat it tries offloading every name.
     from jaxmem._src.remat import planner as planner
 
-    full = jaxmem.plan(_rnn_loss, *RNN_ARGS, budget=2**40, presets=False)
+    full = rnn_full
     assert any("offload not measurable here" in n for n in full.notes)
     monkeypatch.setattr(planner, "_offload_measurable", lambda: True)
     measured, measure = [], planner._Search.measure
