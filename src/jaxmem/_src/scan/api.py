@@ -127,8 +127,7 @@ def scan_residuals(f: Callable, init: Any, xs: Any = None, length: int | None = 
             carry_bytes = sum(_jc.nbytes(v.aval) for v in step.carry_invars)
             schedule = _schedule.describe(n, slots, carry_bytes)
         stock = _stock_stacked_bytes(lean.body, step, n)
-        encodings = (plan.enc_stacked, plan.enc_carry)
-        plans.append(_summary.summarize(step, n, stock, schedule, encodings))
+        plans.append(_summary.summarize(step, n, stock, schedule))
 
     jax.eval_shape(trace, init, xs)
     return plans[0]

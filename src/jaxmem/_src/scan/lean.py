@@ -79,23 +79,6 @@ class _Plan:
     offload_stacked: tuple[bool, ...]  # per partial activation: kept in host memory
     offload_carry: tuple[bool, ...]  # per kept carry sequence: kept in host memory
     packed: tuple[int | None, ...]  # per partial activation: a mask kept as bits (its length)
-    enc_stacked: tuple[_compress.Encoding, ...]  # per partial activation: how it is stored
-    enc_carry: tuple[_compress.Encoding, ...]  # per kept carry sequence: how it is stored
-
-
-def _encodings(step: _res.StepPlan, compress: str | None):
-    """How each partial activation and each kept carry sequence is stored under ``compress``
-    (a sequence that is a ys stack is read back as it is; the rules are
-    :mod:`jaxmem._src.scan.compress`'s)."""
-    encoding = _compress.encoder(step.traced.jaxpr, compress)
-    plain = _compress.encoder(step.traced.jaxpr, None)
-    stacked = tuple(encoding(v) for v in step.stacked_vars)
-    carry = tuple(
-        (encoding if j < 0 else plain)(v)
-        for v, keep, j in zip(step.carry_invars, step.stack_carry, step.carry_seq_y, strict=True)
-        if keep
-    )
-    return stacked, carry
 
 
 class _Saved(NamedTuple):
@@ -142,23 +125,19 @@ class _LeanScan:
             jaxpr, self.n_consts, self.body.n_carry, in_avals, self.recompute, names, self.compress
         )
         stacked, carry = _offload_masks(step, self.offload, self.fname)
-        encodings = _encodings(step, self.compress)
         collectors = _PLAN_COLLECTORS.get()
         if collectors:  # The summary traces stock lax.scan: only when someone asks.
-            summary = self.summary(step, encodings)
+            summary = self.summary(step)
             for collector in collectors:
                 collector.append(summary)
         packed = tuple(
             v.aval.shape[-1] if _jaxprs.packs_bits(v.aval) else None for v in step.stacked_vars
         )
-        return _Plan(step, tuple(stacked), tuple(carry), packed, *encodings)
+        return _Plan(step, tuple(stacked), tuple(carry), packed)
 
-    def summary(self, step, encodings=None) -> ScanPlan:
+    def summary(self, step) -> ScanPlan:
         return _summary.summarize(
-            step,
-            self.length,
-            _stock_stacked_bytes(self.body, step, self.length),
-            encodings=encodings,
+            step, self.length, _stock_stacked_bytes(self.body, step, self.length)
         )
 
     def _scan(self, f, init, xs, reverse):
@@ -189,7 +168,7 @@ class _LeanScan:
             c_out, y, stacked = outs[:n_carry], outs[n_carry : n_carry + n_y], outs[n_carry + n_y :]
             stacked = [_pack(v) if n else v for v, n in zip(stacked, plan.packed, strict=True)]
             stacked = [
-                _compress.encode(v, e) for v, e in zip(stacked, plan.enc_stacked, strict=True)
+                _compress.encode(v, e) for v, e in zip(stacked, step_plan.enc_stacked, strict=True)
             ]
             stacked = [
                 jax.tree.map(_to_host, v) if off else v
@@ -206,7 +185,9 @@ class _LeanScan:
         kept_leaves = [i for i, keep in enumerate(step_plan.stack_carry) if keep]
         emitted = [
             (i, off, enc)
-            for i, off, enc in zip(kept_leaves, plan.offload_carry, plan.enc_carry, strict=True)
+            for i, off, enc in zip(
+                kept_leaves, plan.offload_carry, step_plan.enc_carry, strict=True
+            )
             if step_plan.carry_seq_y[i] < 0
         ]
         final, (ys, stacked, carry_seq) = self._scan(step, list(init), list(xs), self.reverse)
@@ -276,7 +257,8 @@ class _LeanScan:
                 for v, off in zip(stacked_t, plan.offload_stacked, strict=True)
             ]
             stacked_t = [
-                _compress.decode(v, e) for v, e in zip(stacked_t, plan.enc_stacked, strict=True)
+                _compress.decode(v, e)
+                for v, e in zip(stacked_t, step_plan.enc_stacked, strict=True)
             ]
             stacked_t = [
                 _unpack(v, n) if n else v for v, n in zip(stacked_t, plan.packed, strict=True)
@@ -285,7 +267,7 @@ class _LeanScan:
                 jax.tree.map(_to_device, c) if off else c
                 for c, off in zip(c_in, plan.offload_carry, strict=True)
             ]
-            c_in = [_compress.decode(c, e) for c, e in zip(c_in, plan.enc_carry, strict=True)]
+            c_in = [_compress.decode(c, e) for c, e in zip(c_in, step_plan.enc_carry, strict=True)]
             res = rebuild(
                 *saved.consts,
                 *saved.hoisted,

@@ -47,7 +47,6 @@ from jaxmem._src.scan import mincut as mincut
 from jaxmem._src.scan import recompute_cost as _pricing
 from jaxmem._src.scan.jaxprs import (
     _TIE,
-    _cost,
     _is_cheap,
     _is_var,
     _nbytes,
@@ -188,14 +187,11 @@ class Stores:
     free: frozenset
 
 
-def _graph(jaxpr, cheap: Callable, host: frozenset = frozenset(), size: Callable | None = None):
+def _graph(jaxpr, cheap: Callable, host: frozenset, size: Callable[[Any], int]):
     """Min-cut costs and ops of ``jaxpr``; a value in ``host`` (kept in host memory) costs no
     device bytes, only the unit that makes the cut prefer fewer values; ``size`` gives the bytes
-    a value takes kept (:func:`kept_size`; its type's by default)."""
-    if size is None:
-        cost = lambda v: 1 if v in host else _cost(v.aval)
-    else:
-        cost = lambda v: 1 if v in host else size(v) * _TIE + 1
+    a value takes kept (:attr:`KeptSize.value`)."""
+    cost = lambda v: 1 if v in host else size(v) * _TIE + 1
     costs = {v: cost(v) for v in itertools.chain(jaxpr.constvars, jaxpr.invars)}
     ops = []
     for eqn in jaxpr.eqns:
@@ -267,6 +263,9 @@ class StepPlan:
       rebuild: closed jaxpr ``(*consts, *hoisted, *x, *ys_read, *kept_carry_out,
         *kept_carry_in, *carry_in_from_ys, *stacked) -> (*residuals)``; its input groups are
         :attr:`rebuild_inputs`.
+      enc_stacked: per partial activation, how it is stored (a
+        :class:`jaxmem._src.scan.compress.Encoding`; format None without ``compress``).
+      enc_carry: per kept carry sequence, how it is stored.
     """
 
     traced: TracedStep
@@ -282,6 +281,8 @@ class StepPlan:
     hoist: Any
     forward: Any
     rebuild: Any
+    enc_stacked: tuple
+    enc_carry: tuple
 
     # Variable groups of J, by name.
     @property
@@ -453,33 +454,42 @@ def _stored_bytes(
 
 @dataclasses.dataclass(frozen=True)
 class KeptSize:
-    """The bytes a kept value takes per step: ``value(v)`` for a value of the step, ``carry(i)``
+    """How a kept value is stored per step (:mod:`jaxmem._src.scan.compress`), and its bytes:
+    ``encoding(v)`` / ``value(v)`` for a value of the step, ``carry_encoding(i)`` / ``carry(i)``
     for the carry sequence of carry leaf ``i``."""
 
-    value: Callable[[Any], int]
-    carry: Callable[[int], int]
+    encoding: Callable[[Any], _compress.Encoding]
+    carry_encoding: Callable[[int], _compress.Encoding]
+    traced: TracedStep
+
+    def value(self, v) -> int:
+        enc = self.encoding(v)
+        return kept_bytes(v.aval) if enc.format is None else enc.nbytes  # a mask: its bits
+
+    def carry(self, i: int) -> int:
+        enc = self.carry_encoding(i)
+        return _nbytes(self.traced.carry_in[i].aval) if enc.format is None else enc.nbytes
 
 
 def kept_size(traced: TracedStep, compress: str | None) -> KeptSize:
-    """Kept sizes under ``compress`` (:mod:`jaxmem._src.scan.compress`): a value the loop
-    stacks is encoded, a y is read back as it is, a mask is kept as bits. The cut prices values
-    by these sizes, so under ``"fp8"`` it may keep softmax's exponentials (1 byte an element)
-    rather than the scores they are recomputed from (kept as bf16: they feed ``exp``)."""
-    if compress is None:
-        return KeptSize(lambda v: kept_bytes(v.aval), lambda i: _nbytes(traced.carry_in[i].aval))
-    encoding = _compress.encoder(traced.jaxpr, compress)
+    """Kept values under ``compress``: a value the loop stacks is encoded; a y, and a carry
+    sequence read from ys (its carry-in or its carry-out is a y), are read back as they are; a
+    mask is kept as bits. The cut prices values by these sizes, so under ``"fp8"`` it may keep
+    softmax's exponentials (1 byte an element) rather than the scores they are recomputed from
+    (kept as bf16: they feed ``exp``)."""
+    encoded = _compress.encoder(traced.jaxpr, compress)
+    plain = _compress.encoder(traced.jaxpr, None)
     ys = {v for v in traced.y_out if _is_var(v)}
 
-    def value(v) -> int:
-        enc = None if v in ys else encoding(v)
-        return kept_bytes(v.aval) if enc is None or enc.format is None else enc.nbytes
+    def encoding(v) -> _compress.Encoding:
+        return plain(v) if v in ys else encoded(v)
 
-    def carry(i) -> int:
-        v = traced.carry_in[i]
-        enc = None if traced.carry_out[i] in ys else encoding(v)
-        return _nbytes(v.aval) if enc is None or enc.format is None else enc.nbytes
+    def carry_encoding(i: int) -> _compress.Encoding:
+        v, out = traced.carry_in[i], traced.carry_out[i]
+        from_ys = v in ys or (_is_var(out) and out in ys)  # a carry-out may be a literal
+        return plain(v) if from_ys else encoded(v)
 
-    return KeptSize(value, carry)
+    return KeptSize(encoding, carry_encoding, traced)
 
 
 def named_vars(jaxpr, names) -> frozenset:
@@ -606,6 +616,8 @@ def plan_step(
         forward=forward,
         rebuild=rebuild,
         carry_seq_y=carry_seq_y,
+        enc_stacked=tuple(size.encoding(v) for v in stacked),
+        enc_carry=tuple(size.carry_encoding(i) for i, keep in enumerate(stack_carry) if keep),
     )
 
 

@@ -147,12 +147,10 @@ def summarize(
     length: int,
     stock_stacked_bytes: int | None,
     schedule: Any = None,
-    encodings: Any = None,
 ) -> ScanPlan:
     """The public :class:`ScanPlan` of an analysed step (of a checkpointed scan with
     ``schedule``, a :class:`jaxmem.CheckpointSchedule`: its checkpoints are its only stack;
-    under ``compress``, ``encodings`` is how each partial activation and each kept carry
-    sequence is stored, :func:`jaxmem._src.scan.lean._encodings`)."""
+    under ``compress``, each kept value with its encoded size, :attr:`StepPlan.enc_stacked`)."""
     jaxpr = plan.traced.jaxpr
     eqn_of = {v: e for e in jaxpr.eqns for v in e.outvars}
     role = {}
@@ -181,10 +179,7 @@ def summarize(
         for v, keep, j in zip(plan.carry_invars, plan.stack_carry, plan.carry_seq_y, strict=True)
         if keep
     ]
-    enc_stacked, enc_carry = encodings or (
-        [None] * len(plan.stacked_vars),
-        [None] * len(kept_carry),
-    )
+    enc_stacked, enc_carry = plan.enc_stacked, plan.enc_carry
 
     residuals = tuple(
         planned(v, kind) for v, kind in zip(plan.res_outvars, plan.res_classes, strict=True)
