@@ -219,11 +219,12 @@ def test_scan_residuals_shows_the_encoded_sizes(fmt):
 
 
 def _where_step(carry, w):
-    """A dropout-like mask (kept as bits) and an int counter in the carry."""
+    """A dropout-like mask (kept as bits: its key is folded with the carried counter, so it is
+    drawn in the step) and an int counter in the carry."""
     h, n = carry
     w1, key = w
     u = jnp.tanh(h @ w1)
-    keep = jax.random.bernoulli(key, 0.8, u.shape)
+    keep = jax.random.bernoulli(jax.random.fold_in(key, n), 0.8, u.shape)
     return (h + jnp.where(keep, u, 0.0) * 0.5, n + 1), None
 
 

@@ -437,26 +437,30 @@ def test_kept_masks_are_packed_to_bits():
     """A dropout keep mask cannot be recomputed cheaply (random bits), so it is kept, as bits:
     8 elements to a byte, unpacked in the backward step; gradients equal stock's (a wrong bit
     would change them far beyond the rounding allowed: compiled without LLVM optimization, as
-    under CI, the two programs round differently)."""
+    under CI, the two programs round differently). The key is carried (split every step), so
+    the mask is drawn in the step; one keyed by ``xs`` is drawn before the loop
+    (tests/scan/test_draws.py)."""
     b, d, f, length = 8, 16, 64, 3
 
-    def step(h, wk):
-        w1, w2, key = wk
+    def step(carry, ws):
+        h, key = carry
+        w1, w2 = ws
+        key, sub = jax.random.split(key)
         u = jnp.tanh(h @ w1)
-        keep = jax.random.bernoulli(key, 0.8, u.shape)
-        return h + jnp.where(keep, u / 0.8, 0.0) @ w2, None
+        keep = jax.random.bernoulli(sub, 0.8, u.shape)
+        return (h + jnp.where(keep, u / 0.8, 0.0) @ w2, key), None
 
     rng = np.random.default_rng(0)
     w1 = jnp.asarray(rng.normal(size=(length, d, f)), jnp.float32) * 0.3
     w2 = jnp.asarray(rng.normal(size=(length, f, d)), jnp.float32) * 0.3
-    keys = jax.random.split(jax.random.key(0), length)
+    key = jax.random.key(0)
     h0 = jnp.asarray(rng.normal(size=(b, d)), jnp.float32)
-    plan = jaxmem.scan_residuals(step, h0, (w1, w2, keys))
+    plan = jaxmem.scan_residuals(step, (h0, key), (w1, w2))
     kept = [(r.shape, r.dtype, r.bytes) for r in plan.stacked]
     assert ((b, f), "bool", b * f // 8) in kept  # 64 bits to a row: 8 bytes per row
 
     def loss(scan):
-        return lambda w1, w2, h0: jnp.sum(scan(step, h0, (w1, w2, keys))[0] ** 2)
+        return lambda w1, w2, h0: jnp.sum(scan(step, (h0, key), (w1, w2))[0][0] ** 2)
 
     # Each program compiled once: for its temp bytes and to run (jitted: ours against stock's).
     ours, stock = (

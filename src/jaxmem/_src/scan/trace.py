@@ -8,6 +8,7 @@ from jax.tree_util import keystr, tree_flatten, tree_unflatten
 
 from jaxmem._src import checks
 from jaxmem._src import jax_compat as _jc
+from jaxmem._src.scan import draws as _draws
 from jaxmem._src.scan import options as _opts
 
 
@@ -111,4 +112,9 @@ def _prepare(f, init, xs, length, fname, diff_consts=False):
                 f"{a_in.str_short()} but the body returned {a_out.str_short()} for it. The "
                 "carry must keep its shape and dtype across steps (cast it, or fix init)."
             )
+    drawn = _draws.predraw(body.jaxpr, body.consts, body.n_carry, xs_leaves, length)
+    if drawn is not None:
+        closed, bits = drawn
+        body = _Body(closed, body.consts, body.n_carry, body.carry_tree, body.y_tree)
+        xs_leaves = [*xs_leaves, *bits]
     return body, init_leaves, xs_leaves, xs_tree, length
