@@ -42,10 +42,20 @@ CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call", "eval_ja
 LOOP_PRIMITIVES = frozenset({"scan", "while"})
 
 
-# jax.experimental.custom_partitioning: on jax 0.10.2 XLA's partitioning of these ops in
-# linear_cross_entropy's default call could run forever (a compile that never ended in the test
-# suite, depending on what the process had compiled before); used from jax 0.12 on.
-PARTITIONS_CUSTOM_OPS = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 12)
+def without_source_traceback():
+    """Context in which the equations traced carry an empty traceback (no source location).
+
+    For the per-shard program a ``custom_partitioning`` callback returns. XLA 0.10.2 merges that
+    program's stack frames into the caller's without renumbering them; when the caller's own
+    Python stack was deep enough (about 30 user frames at the call: pytest-xdist's) the merged
+    frame table had a cycle and the CPU compiler's WhileLoopSimplifier (CallInliner ->
+    PropagateCallMetadata -> StackFrames::IsPrefix) walked it forever. Without frames in the
+    callback's program there is nothing to merge. Private: ``jax._src.lib.xla_client.Traceback()``
+    (an empty traceback, 0.10.2 and 0.12); ``user_context`` is public (``jax.extend``).
+    """
+    from jax._src.lib import xla_client
+
+    return _siu.user_context(xla_client.Traceback(), name_stack=_siu.current_name_stack())
 
 
 def is_closed_jaxpr(x: Any) -> bool:

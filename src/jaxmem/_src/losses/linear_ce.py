@@ -343,11 +343,9 @@ def _bwd_rows(cfg, x, w, b, labels, mask, lse, g_loss, g_lse, dw, db):
 
 
 def _splits_by_sharding(mesh) -> bool:
-    """An Auto mesh of several devices, outside ``shard_map``: read the split from the shardings
-    (jax >= 0.12: :data:`jaxmem._src.jax_compat.PARTITIONS_CUSTOM_OPS`)."""
+    """An Auto mesh of several devices, outside ``shard_map``: read the split from the shardings."""
     return (
-        _jc.PARTITIONS_CUSTOM_OPS
-        and not mesh.empty
+        not mesh.empty
         and math.prod(mesh.shape.values()) > 1
         and all(kind == AxisType.Auto for kind in mesh.axis_types)
     )
@@ -409,7 +407,8 @@ def _forward_partition(cfg, mesh, arg_shapes, result_shape):
     plan = _ShardPlan.read(mesh, x, w)
 
     def shard(x, w, labels, mask, b):
-        return _forward(plan.local(cfg, w.shape[1]), x, w, b, labels, mask)
+        with _jc.without_source_traceback():  # jax 0.10.2: see there
+            return _forward(plan.local(cfg, w.shape[1]), x, w, b, labels, mask)
 
     tok = plan.sharding("t")
     args = (plan.sharding("t", ""), plan.sharding("", "v"), tok, tok)
@@ -438,9 +437,10 @@ def _backward_partition(cfg, mesh, arg_shapes, result_shape):
         # dx is summed over the vocabulary shards tile by tile (once per row); dw and db over
         # the token shards once, at the end (chunk by chunk would repeat it for every tile).
         local = plan.local(cfg, w.shape[1])
-        dx, dw, db = _backward(local, x, w, labels, mask, lse, g_loss, g_lse, b)
-        if plan.tokens:
-            dw, db = lax.psum((dw, db), plan.tokens)
+        with _jc.without_source_traceback():  # jax 0.10.2: see there
+            dx, dw, db = _backward(local, x, w, labels, mask, lse, g_loss, g_lse, b)
+            if plan.tokens:
+                dw, db = lax.psum((dw, db), plan.tokens)
         return dx, dw, db
 
     tok = plan.sharding("t")
