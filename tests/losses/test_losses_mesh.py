@@ -6,7 +6,10 @@ optax cross-entropy) computed in the same program: values, gradients, the gradie
 the compiled HLO (no all-gather of the whole w) and the compiled per-device temp.
 """
 
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -536,10 +539,6 @@ def test_default_call_compiles_from_a_deep_python_stack():
     the call (pytest-xdist's workers) the merged table had a cycle and the compile never ended.
     The per-shard program is traced without source tracebacks. The subprocess compiles the call
     from depths 28 to 33 (without the fix, the one at depth 30 never ended)."""
-    import os
-    import subprocess
-    import sys
-
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     try:
         cmd = [sys.executable, "-c", _DEEP_STACK]
