@@ -264,6 +264,9 @@ def _backward(cfg: _Config, x, w, labels, mask, lse, g_loss, g_lse, b):
         # the dx they have.
         if overlap:
             g = [jnp.where(new, a, 0.0) for a in g]
+        if in_place:
+            dx_rows = (dx, start)
+            return _bwd_rows(cfg, rows[0], w, b, rows[1], rows[2], rows[3], *g, dw, db, dx_rows)
         dx_t, dw, db = _bwd_rows(cfg, rows[0], w, b, rows[1], rows[2], rows[3], *g, dw, db)
         dx_t = _sum_dx(cfg, dx_t).astype(dx.dtype)
         if overlap:
@@ -271,6 +274,9 @@ def _backward(cfg: _Config, x, w, labels, mask, lse, g_loss, g_lse, b):
         return lax.dynamic_update_slice_in_dim(dx, dx_t, start, axis=0), dw, db
 
     overlap = n % t != 0  # the last tile overlaps the one before it
+    # An f32 dx that is not summed over shards takes each chunk's rows in place (a scatter-add:
+    # no [tokens, D] accumulator beside it); the rows an overlapping tile repeats get zeros.
+    in_place = not cfg.sum_dx and x.dtype == jnp.float32
 
     init = (jnp.zeros_like(x), jnp.zeros_like(w), None if b is None else jnp.zeros_like(b))
     return lax.fori_loop(0, -(-n // t), body, init)
@@ -281,8 +287,12 @@ def _sum_dx(cfg: _Config, dx):
     return lax.psum(dx, cfg.axis_name) if cfg.sum_dx else dx
 
 
-def _bwd_rows(cfg, x, w, b, labels, mask, lse, g_loss, g_lse, dw, db):
-    """dx (f32, not yet summed over vocabulary shards), and dw, db added to the given ones."""
+def _bwd_rows(cfg, x, w, b, labels, mask, lse, g_loss, g_lse, dw, db, dx_rows=None):
+    """dx (f32, not yet summed over vocabulary shards), and dw, db added to the given ones.
+
+    With ``dx_rows = (dx, start)`` (an f32 dx of all tokens, and this tile's first row), each
+    chunk's dx is added into rows ``start:start + len(x)`` of that dx, which is returned instead.
+    """
     v = w.shape[1]
     offset, v_total = _vocab_offset(cfg, v)
     alpha = cfg.label_smoothing
@@ -290,6 +300,9 @@ def _bwd_rows(cfg, x, w, b, labels, mask, lse, g_loss, g_lse, dw, db):
     coef = gl * (1.0 + 2.0 * cfg.z_loss * lse) + g_lse.astype(jnp.float32)
     compute_dtype = jnp.result_type(x.dtype, w.dtype)
     num_chunks = -(-v // cfg.chunk_size)
+    # dw's matmul reads x transposed: made once here, not by each chunk's dot (measured on
+    # XLA:CPU, 512 x 1024 tiles: 0.84x the time of dots contracting x's rows in place).
+    xt = x.T
 
     def body(i, carry):
         dx, dw, db = carry
@@ -305,13 +318,16 @@ def _bwd_rows(cfg, x, w, b, labels, mask, lse, g_loss, g_lse, dw, db):
             t = z / cfg.logit_softcap
             dz = dz * (1.0 - t * t)
         dzc = dz.astype(compute_dtype)
-        dx = dx + lax.dot_general(
-            dzc, wc, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-        )
+        dxc = lax.dot_general(dzc, wc, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        if dx_rows is None:
+            dx = dx + dxc
+        else:
+            rows = dx_rows[1] + jnp.arange(x.shape[0])
+            dx = dx.at[rows].add(dxc, indices_are_sorted=True, unique_indices=True)
         dwc = lax.dot_general(
-            x,
+            xt,
             dzc,
-            (((0,), (0,)), ((), ())),
+            (((1,), (0,)), ((), ())),
             preferred_element_type=jnp.float32,
             out_sharding=_explicit_sharding(dw),
         )
@@ -324,8 +340,12 @@ def _bwd_rows(cfg, x, w, b, labels, mask, lse, g_loss, g_lse, dw, db):
             db = lax.dynamic_update_slice_in_dim(db, db_new, start, axis=0)
         return dx, dw, db
 
+    if dx_rows is None:
+        dx = _vary(jnp.zeros_like(x, jnp.float32), _manual_axes(x, w, b, labels, mask))
+    else:
+        dx = dx_rows[0]
     init = (
-        _vary(jnp.zeros_like(x, jnp.float32), _manual_axes(x, w, b, labels, mask)),
+        dx,
         jnp.zeros_like(w) if dw is None else dw,
         None if b is None else jnp.zeros_like(b) if db is None else db,
     )
