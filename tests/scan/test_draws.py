@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_scan import assert_trees_close
 
 import jaxmem
 from jaxmem._src import jax_compat as jc
@@ -56,13 +57,6 @@ def _args():
     return _weights(), jnp.ones((B, D), jnp.float32) * 0.3, jax.random.key(3)
 
 
-def _close(got, want):
-    """Equal to f32 rounding: 1e-5 relative, or 1e-6 of the largest magnitude (XLA rounds the two
-    programs differently, more so at CI's -O0)."""
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(b))))
-
-
 def _step_jaxpr(step, *args):
     closed = jax.make_jaxpr(step)(*args)
     return jc.open_jaxpr(closed)
@@ -97,7 +91,7 @@ def test_values_and_gradients_equal_lax_scan(reverse):
     f_ref = jax.jit(jax.value_and_grad(_loss(scan(False)), argnums=(0, 1)))
     (v, g), (v_ref, g_ref) = f_ours(*args), f_ref(*args)
     np.testing.assert_allclose(v, v_ref, rtol=1e-6)
-    _close(g, g_ref)
+    assert_trees_close(g, g_ref)
     # The masks (a y) are the same bits.
     ws, h0, key = args
     keys = jax.random.split(key, L)
@@ -113,11 +107,11 @@ def test_forward_mode_and_vmap_equal_lax_scan():
     out, tan = jax.jit(lambda h: jax.jvp(lambda h: ours(ws, h, key), (h,), (t,)))(h0)
     out_r, tan_r = jax.jvp(lambda h: ref(ws, h, key), (h0,), (t,))
     np.testing.assert_allclose(out, out_r, rtol=1e-6)
-    _close(tan, tan_r)
+    assert_trees_close(tan, tan_r)
     keys = jax.random.split(jax.random.key(7), 3)
     batched = jax.jit(jax.vmap(jax.grad(ours, argnums=1), in_axes=(None, None, 0)))(ws, h0, keys)
     want = jax.vmap(jax.grad(ref, argnums=1), in_axes=(None, None, 0))(ws, h0, keys)
-    _close(batched, want)
+    assert_trees_close(batched, want)
 
 
 def test_a_carried_key_equals_lax_scan():
@@ -132,7 +126,7 @@ def test_a_carried_key_equals_lax_scan():
 
     (v, g), (v_ref, g_ref) = loss(jaxmem.scan)(ws, h0), loss(jax.lax.scan)(ws, h0)
     np.testing.assert_allclose(v, v_ref, rtol=1e-6)
-    _close(g, g_ref)
+    assert_trees_close(g, g_ref)
 
 
 def _has_draw(jaxpr) -> bool:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmem._src import jax_compat as jc
-from jaxmem._src.scan.jaxprs import _is_var, needed_eqns, packs_bits
+from jaxmem._src.scan.jaxprs import _is_var, packs_bits, sub_jaxpr
 
 # Primitives that draw random bits: the typed-key primitive, and threefry on raw uint32 keys.
 _DRAWS = frozenset({"random_bits", "threefry2x32"})
@@ -61,9 +61,7 @@ def drawn_masks(jaxpr, carry: slice, xs: slice) -> list:
             exits.update(v for v in ins if v in drawn)
     exits.update(v for v in jaxpr.outvars if _is_var(v) and v in drawn)
     return [
-        v
-        for v in dict.fromkeys(exits)
-        if v in from_x and v not in carried and _is_bool(v) and packs_bits(v.aval)
+        v for v in dict.fromkeys(exits) if v in from_x and v not in carried and packs_bits(v.aval)
     ]
 
 
@@ -80,14 +78,8 @@ def predraw(closed, traced_consts: list, n_carry: int, xs_leaves: list, length: 
         return None
     consts = jc.jaxpr_consts(closed)
     inputs = [*jaxpr.invars[:n_consts], *jaxpr.invars[x_slice]]
-    available = set(inputs) | set(jaxpr.constvars)
-    draw = jc.make_jaxpr(
-        jaxpr, invars=inputs, outvars=masks, eqns=needed_eqns(jaxpr.eqns, masks, available)
-    )
-    draw = jc.closed_jaxpr(draw, consts)
-    rest_in = [*jaxpr.invars, *masks]
-    rest_eqns = needed_eqns(jaxpr.eqns, jaxpr.outvars, set(rest_in) | set(jaxpr.constvars))
-    rest = jc.closed_jaxpr(jc.make_jaxpr(jaxpr, invars=rest_in, eqns=rest_eqns), consts)
+    draw = sub_jaxpr(jaxpr, consts, inputs, masks)
+    rest = sub_jaxpr(jaxpr, consts, [*jaxpr.invars, *masks], jaxpr.outvars)
     counts = [v.aval.shape[-1] for v in masks]
     producer = {v: e for e in jaxpr.eqns for v in e.outvars if _is_var(v)}
 

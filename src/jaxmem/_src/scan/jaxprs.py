@@ -155,6 +155,14 @@ def needed_eqns(eqns, targets, available) -> list:
     return [eqns[i] for i in sorted(needed)]
 
 
+def sub_jaxpr(jaxpr, consts, invars, outvars):
+    """The closed jaxpr computing ``outvars`` from ``invars`` (and ``jaxpr``'s constvars, bound
+    to ``consts``): the equations of ``jaxpr`` they need, in order."""
+    eqns = needed_eqns(jaxpr.eqns, outvars, set(invars) | set(jaxpr.constvars))
+    sub = jc.make_jaxpr(jaxpr, invars=list(invars), outvars=list(outvars), eqns=eqns)
+    return jc.closed_jaxpr(sub, consts)
+
+
 def _plain_call(eqn) -> bool:
     """A call (``jit``) that only groups equations: no shardings, layouts or compiler options of
     its own, so evaluating its equations in place computes the same values (XLA inlines it)."""

@@ -54,6 +54,7 @@ from jaxmem._src.scan.jaxprs import (
     iter_eqns,
     kept_bytes,
     needed_eqns,
+    sub_jaxpr,
 )
 from jaxmem._src.scan.pins import pin_chooser_operands
 
@@ -374,11 +375,7 @@ def _distinct_invars(groups: Sequence[Sequence]) -> list:
 
 def _sub_jaxpr(traced: TracedStep, in_groups: Sequence[Sequence], outs: Sequence):
     """The closed jaxpr computing ``outs`` from the variables of ``in_groups`` (and J's consts)."""
-    invars = _distinct_invars(in_groups)
-    available = set(invars) | set(traced.jaxpr.constvars)
-    eqns = needed_eqns(traced.jaxpr.eqns, outs, available)
-    jaxpr = jc.make_jaxpr(traced.jaxpr, invars=invars, outvars=list(outs), eqns=eqns)
-    return jc.closed_jaxpr(jaxpr, traced.consts)
+    return sub_jaxpr(traced.jaxpr, traced.consts, _distinct_invars(in_groups), outs)
 
 
 def build_jaxprs(
