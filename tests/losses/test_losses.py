@@ -9,6 +9,7 @@ import optax
 import pytest
 from jax.test_util import check_grads
 
+from jaxmem._src import jax_compat as jc
 from jaxmem._src.listing import saved_residuals
 from jaxmem.losses import default_tiles, linear_cross_entropy
 
@@ -358,6 +359,35 @@ def test_token_tiles_equal_naive(tokens):
     got = jax.value_and_grad(ours, argnums=(0, 1, 2))(x, w, b)
     want = jax.value_and_grad(naive, argnums=(0, 1, 2))(x, w, b)
     jax.tree.map(lambda a, e: np.testing.assert_allclose(a, e, rtol=RTOL, atol=1e-6), got, want)
+
+
+def _primitives(jaxpr, out=None) -> set:
+    out = set() if out is None else out
+    for eqn in jaxpr.eqns:
+        out.add(eqn.primitive.name)
+        for sub in jc.subjaxprs(eqn):
+            _primitives(sub, out)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("tokens", [16, 64])  # 64 = N: one tile, the untiled backward pass
+def test_token_tiles_take_dx_in_place(dtype, tokens):
+    """f32 token tiles add each chunk's dx into dx's rows (a scatter-add, no [tokens, D]
+    accumulator beside dx), and on CPU dw's matmul reads each tile transposed, made once per
+    tile; a bf16 dx keeps its f32 accumulator, and all tokens at once transpose nothing (that
+    copy would be the size of x)."""
+    labels = jnp.zeros((64,), jnp.int32)
+
+    def loss(x, w):
+        return linear_cross_entropy(x, w, labels, chunk_size=16, token_chunk_size=tokens)
+
+    s = jax.ShapeDtypeStruct
+    closed = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(s((64, 8), dtype), s((8, 64), dtype))
+    prims = _primitives(closed.jaxpr)
+    tiled_f32 = tokens < 64 and dtype == jnp.float32
+    assert ("scatter-add" in prims) == tiled_f32
+    assert ("transpose" in prims) == (tiled_f32 and jax.default_backend() == "cpu")
 
 
 def test_token_tiles_bound_the_temp_whatever_the_token_count():
