@@ -373,10 +373,10 @@ def _primitives(jaxpr, out=None) -> set:
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("tokens", [16, 64])  # 64 = N: one tile, the untiled backward pass
 def test_token_tiles_take_dx_in_place(dtype, tokens):
-    """f32 token tiles add each chunk's dx into dx's rows (a scatter-add, no [tokens, D]
-    accumulator beside dx), and on CPU dw's matmul reads each tile transposed, made once per
-    tile; a bf16 dx keeps its f32 accumulator, and all tokens at once transpose nothing (that
-    copy would be the size of x)."""
+    """On CPU, f32 token tiles add each chunk's dx into dx's rows (a scatter-add, no [tokens, D]
+    accumulator beside dx) and dw's matmul reads each tile transposed, made once per tile; a
+    bf16 dx keeps its f32 accumulator, and all tokens at once transpose nothing (that copy would
+    be the size of x)."""
     labels = jnp.zeros((64,), jnp.int32)
 
     def loss(x, w):
@@ -385,9 +385,23 @@ def test_token_tiles_take_dx_in_place(dtype, tokens):
     s = jax.ShapeDtypeStruct
     closed = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(s((64, 8), dtype), s((8, 64), dtype))
     prims = _primitives(closed.jaxpr)
-    tiled_f32 = tokens < 64 and dtype == jnp.float32
-    assert ("scatter-add" in prims) == tiled_f32
-    assert ("transpose" in prims) == (tiled_f32 and jax.default_backend() == "cpu")
+    in_place = tokens < 64 and dtype == jnp.float32 and jax.default_backend() == "cpu"
+    assert ("scatter-add" in prims) == in_place
+    assert ("transpose" in prims) == in_place
+
+
+def test_token_tiles_off_cpu_keep_the_accumulator(monkeypatch):
+    """Traced for another backend, the tiles keep the form measured there (an f32 accumulator
+    of dx, x read in place), with the same gradients."""
+    x, w, b, labels = _data((3, 4))
+    f = functools.partial(linear_cross_entropy, labels=labels, chunk_size=C, token_chunk_size=5)
+    want = jax.value_and_grad(f, argnums=(0, 1))(x, w)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    grad = jax.value_and_grad(f, argnums=(0, 1))
+    prims = _primitives(jax.make_jaxpr(grad)(x, w).jaxpr)
+    assert "scatter-add" not in prims and "transpose" not in prims
+    got = grad(x, w)
+    jax.tree.map(lambda a, e: np.testing.assert_allclose(a, e, rtol=RTOL, atol=1e-6), got, want)
 
 
 def test_token_tiles_bound_the_temp_whatever_the_token_count():

@@ -274,9 +274,10 @@ def _backward(cfg: _Config, x, w, labels, mask, lse, g_loss, g_lse, b):
         return lax.dynamic_update_slice_in_dim(dx, dx_t, start, axis=0), dw, db
 
     overlap = n % t != 0  # the last tile overlaps the one before it
-    # An f32 dx that is not summed over shards takes each chunk's rows in place (a scatter-add:
-    # no [tokens, D] accumulator beside it); the rows an overlapping tile repeats get zeros.
-    in_place = not cfg.sum_dx and x.dtype == jnp.float32
+    # On XLA:CPU an f32 dx that is not summed over shards takes each chunk's rows in place (a
+    # scatter-add: no [tokens, D] accumulator beside it); the rows an overlapping tile repeats
+    # get zeros. Other backends keep the accumulator (the form measured there).
+    in_place = cfg.cpu_tiles and not cfg.sum_dx and x.dtype == jnp.float32
 
     init = (jnp.zeros_like(x), jnp.zeros_like(w), None if b is None else jnp.zeros_like(b))
     return lax.fori_loop(0, -(-n // t), body, init)
@@ -292,9 +293,9 @@ def _bwd_rows(cfg, x, w, b, labels, mask, lse, g_loss, g_lse, dw, db, dx_rows=No
 
     With ``dx_rows = (dx, start)`` (an f32 dx of all tokens, and this tile's first row), each
     chunk's dx is added into rows ``start:start + len(x)`` of that dx, which is returned instead;
-    then, with ``cfg.transpose_tiles``, dw's matmul reads the tile transposed, made once here (on
-    XLA:CPU, 512 x 1024 tiles: 0.84x the time of dots contracting x's rows in place; the [D,
-    tokens] copy takes the place of the [tokens, D] accumulator of dx the scatter-add saves).
+    then dw's matmul reads the tile transposed, made once here (on XLA:CPU, 512 x 1024 tiles:
+    0.84x the time of dots contracting x's rows in place; the [D, tokens] copy takes the place of
+    the [tokens, D] accumulator of dx the scatter-add saves).
     """
     v = w.shape[1]
     offset, v_total = _vocab_offset(cfg, v)
@@ -303,7 +304,7 @@ def _bwd_rows(cfg, x, w, b, labels, mask, lse, g_loss, g_lse, dw, db, dx_rows=No
     coef = gl * (1.0 + 2.0 * cfg.z_loss * lse) + g_lse.astype(jnp.float32)
     compute_dtype = jnp.result_type(x.dtype, w.dtype)
     num_chunks = -(-v // cfg.chunk_size)
-    xt = x.T if dx_rows is not None and cfg.transpose_tiles else None
+    xt = None if dx_rows is None else x.T
 
     def body(i, carry):
         dx, dw, db = carry
@@ -762,7 +763,7 @@ got labels[0, 0] = -100, labels[1, 2] = 50. Mark such tokens with ignore_index o
         cap,
         token_chunk=tokens,
         by_sharding=by_sharding,
-        transpose_tiles=jax.default_backend() == "cpu",
+        cpu_tiles=jax.default_backend() == "cpu",
     )
     loss, lse = _per_token(cfg, split, x2, w, bias, labels1, mask)
     out_of_range = mask & ((labels1 < 0) | (labels1 >= v))

@@ -46,7 +46,7 @@ class _Config(NamedTuple):
     token_chunk: int | None = None  # tokens per tile (None: all at once)
     by_sharding: bool = False  # split as the operands are sharded, read when XLA partitions
     sum_dx: bool = False  # psum dx over axis_name tile by tile (a shard of the partitioned core)
-    transpose_tiles: bool = False  # dw's matmul reads each token tile transposed (XLA:CPU)
+    cpu_tiles: bool = False  # token tiles in XLA:CPU's faster form: dx in place, x transposed
 
 
 def _pow2_floor(k: int) -> int:
