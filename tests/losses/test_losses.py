@@ -9,8 +9,8 @@ import optax
 import pytest
 from jax.test_util import check_grads
 
-from jaxmem._src import jax_compat as jc
 from jaxmem._src.listing import saved_residuals
+from jaxmem._src.scan.jaxprs import iter_eqns
 from jaxmem.losses import default_tiles, linear_cross_entropy
 
 N, D, V, C = 12, 8, 50, 16  # V is not a multiple of C
@@ -361,13 +361,8 @@ def test_token_tiles_equal_naive(tokens):
     jax.tree.map(lambda a, e: np.testing.assert_allclose(a, e, rtol=RTOL, atol=1e-6), got, want)
 
 
-def _primitives(jaxpr, out=None) -> set:
-    out = set() if out is None else out
-    for eqn in jaxpr.eqns:
-        out.add(eqn.primitive.name)
-        for sub in jc.subjaxprs(eqn):
-            _primitives(sub, out)
-    return out
+def _primitives(jaxpr) -> set:
+    return {eqn.primitive.name for eqn in iter_eqns(jaxpr)}
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
