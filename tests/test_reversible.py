@@ -148,9 +148,16 @@ def test_pytree_streams_of_different_shapes_and_closed_over_arrays():
 
     want = loss(ref)(params, streams, shared)
     got = loss(rev)(params, streams, shared)
-    assert rel_err(got, want) < 1e-5
+    # f32 rounding of the inverted layers and of the reference (1.2e-5 on an AMD EPYC CPU with
+    # jax 0.12.0.1, 2.6e-6 with 0.10.2); in float64 the two agree to 1e-12.
+    assert rel_err(got, want) < 3e-5
     assert float(jnp.abs(want[2]).max()) > 1e-3  # the closed-over array does get a gradient
-    assert rel_err(got[2], want[2]) < 1e-5
+    assert rel_err(got[2], want[2]) < 3e-5
+    with jax.enable_x64(True):
+        args64 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), (params, streams, shared))
+        want, got = loss(ref)(*args64), loss(rev)(*args64)
+        assert jax.tree.leaves(got)[0].dtype == jnp.float64
+        assert rel_err(got, want) < 1e-12
 
 
 def _dropout(key, x, rate=0.5):
