@@ -3,6 +3,8 @@ answers and against ``compiled.memory_analysis()``."""
 
 import os
 import re
+import subprocess
+import sys
 from itertools import pairwise
 
 import jax
@@ -12,6 +14,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxmem._src.jax_compat import persistent_cache_off
 from jaxmem._src.profile.buffers import (
     KINDS,
     Buffer,
@@ -259,9 +262,10 @@ def test_sharded_program_is_per_device():
 
 
 def dump(directory, fn, *args):
-    jax.jit(fn).lower(*args).compile(
-        compiler_options={"xla_dump_to": str(directory), "xla_dump_hlo_as_text": True}
-    )
+    with persistent_cache_off():  # the suite's cache may hold the program (it dumps nothing)
+        jax.jit(fn).lower(*args).compile(
+            compiler_options={"xla_dump_to": str(directory), "xla_dump_hlo_as_text": True}
+        )
 
 
 def test_missing_dump_names_the_file_and_jax_version(tmp_path):
@@ -354,3 +358,37 @@ def test_host_memory_is_counted_apart(tmp_path):
     assert split.host_peak_bytes == big.bytes
     assert moved not in split.peak_buffers
     assert split.peak_bytes <= device.peak_bytes
+
+
+def test_reads_buffers_of_a_program_the_persistent_compilation_cache_holds(tmp_path):
+    """With JAX's persistent cache on, a program compiled before is compiled again to dump its
+    buffers (a cache hit dumps nothing), and the dump compile leaves the cache as it was."""
+    code = """
+import os, sys
+import jax, jax.numpy as jnp
+from jaxmem._src.profile.buffers import read_buffers
+
+cache = sys.argv[1]
+f = jax.jit(lambda x: jnp.sin(x) * 2)
+x = jnp.ones(4096)
+f.lower(x).compile()
+held = sorted(os.listdir(cache))
+assert held, "the persistent cache holds nothing: the test would not test it"
+first, second = read_buffers(f, x), read_buffers(f, x)
+assert sorted(os.listdir(cache)) == held, "the dump compile wrote to the cache"
+temp = f.lower(x).compile().memory_analysis().temp_size_in_bytes
+assert first.temp_allocation_bytes == second.temp_allocation_bytes == temp
+print("peak", first.peak_bytes, second.peak_bytes)
+"""
+    env = dict(
+        os.environ,
+        JAX_COMPILATION_CACHE_DIR=str(tmp_path),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    peaks = run.stdout.split()[1:]
+    assert len(peaks) == 2 and peaks[0] == peaks[1] and int(peaks[0]) > 0, run.stdout

@@ -14,8 +14,9 @@ back, never touching either class directly.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -294,6 +295,37 @@ def trace_state_clean() -> bool:
     from jax._src import core
 
     return core.trace_state_clean()
+
+
+@contextlib.contextmanager
+def persistent_cache_off() -> Iterator[None]:
+    """Compilations inside skip JAX's persistent compilation cache (neither read nor written).
+
+    XLA dumps only what it compiles, and JAX leaves the dump options out of the cache key: with the
+    cache on, a compilation meant to dump can be served an executable compiled without them.
+    Private: ``jax._src.compilation_cache``'s ``_cache_checked`` / ``_cache_used``, behind
+    ``_cache_initialized_mutex`` (0.10 and 0.12): whether this process uses the cache, decided
+    once and kept there; no public switch takes effect after the first compilation. Elsewhere
+    (a JAX without these names) nothing changes, and a dump the cache skipped is reported by the
+    reader.
+    """
+    try:
+        from jax._src import compilation_cache as cc
+    except ImportError:
+        cc = None
+    names = ("_cache_initialized_mutex", "_cache_checked", "_cache_used")
+    if cc is None or not all(hasattr(cc, n) for n in names):
+        yield
+        return
+    lock = cc._cache_initialized_mutex
+    with lock:
+        saved = cc._cache_checked, cc._cache_used
+        cc._cache_checked, cc._cache_used = True, False
+    try:
+        yield
+    finally:
+        with lock:
+            cc._cache_checked, cc._cache_used = saved
 
 
 def scan_counts(eqn) -> tuple[int, int]:

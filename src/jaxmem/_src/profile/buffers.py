@@ -40,6 +40,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxmem._src import jax_compat
 from jaxmem._src.profile.xla_dump import (
     BufferDumpError,
     _Allocation,
@@ -523,7 +524,8 @@ def compile_with_buffers(lowered: jax.stages.Lowered):
       good either way).
     """
     with tempfile.TemporaryDirectory(prefix="jaxmem-buffers-") as directory:
-        compiled = lowered.compile(compiler_options={"xla_dump_to": directory, **_DUMP_OPTIONS})
+        with jax_compat.persistent_cache_off():  # a cached executable would dump nothing
+            compiled = lowered.compile(compiler_options={"xla_dump_to": directory, **_DUMP_OPTIONS})
         # Only this compilation dumps here; prefer its module by name, else the last one.
         name = _module_name(lowered)
         if name not in {_dump_module_name(p) for p in _assignment_files(directory)}:
