@@ -8,7 +8,10 @@ values and memory figures are those of a default compile): the suite is dominate
 time, about a fifth of which this saves. Subprocesses and notebook kernels inherit the flags.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 _FLAGS = ["--xla_force_host_platform_device_count=8"]
 if os.environ.get("CI"):
@@ -16,6 +19,26 @@ if os.environ.get("CI"):
 os.environ.setdefault("XLA_FLAGS", " ".join(_FLAGS))
 os.environ.setdefault("MPLBACKEND", "Agg")
 
+# Under CI the suite compiles many programs more than once (a reference in several tests, the
+# same step in several modes): JAX's persistent compilation cache, new for each run, serves the
+# repeats (about a fifth of a module's time). One directory per process of the run (each xdist
+# worker; the subprocesses and notebook kernels a test starts inherit it), so that no two
+# processes write and read an entry at once. Executables from the cache report the same
+# memory_analysis; jaxmem's buffer reader compiles past it (it needs XLA's dump).
+_PROCESS = os.environ.get("PYTEST_XDIST_WORKER", "main")
+_CACHE = None
+if os.environ.get("CI") and os.environ.get("_JAXMEM_TEST_CACHE_OF") != _PROCESS:
+    _CACHE = tempfile.mkdtemp(prefix=f"jaxmem-tests-jax-cache-{_PROCESS}-")
+    atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+    os.environ["_JAXMEM_TEST_CACHE_OF"] = _PROCESS
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+
 import jax  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+if _CACHE is not None:  # also where a plugin imported jax before the variables were set
+    jax.config.update("jax_compilation_cache_dir", _CACHE)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

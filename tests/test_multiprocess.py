@@ -36,8 +36,10 @@ def _free_port():
 
 def _env():
     # Each process sets its own device count (jax_num_cpu_devices); the suite's XLA_FLAGS
-    # (8 devices per process, from conftest.py) must not reach it.
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    # (8 devices per process, from conftest.py) must not reach it; nor the suite's persistent
+    # compilation cache, which processes running at once would write and read at once.
+    dropped = ("XLA_FLAGS", "JAX_PLATFORMS", "JAX_COMPILATION_CACHE_DIR")
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
