@@ -364,9 +364,9 @@ def test_reads_buffers_of_a_program_the_persistent_compilation_cache_holds(tmp_p
     """With JAX's persistent cache on, a program compiled before is compiled again to dump its
     buffers (a cache hit dumps nothing), and the dump compile leaves the cache as it was."""
     code = """
-import os, sys
+import os, sys, tempfile
 import jax, jax.numpy as jnp
-from jaxmem._src.profile.buffers import read_buffers
+from jaxmem._src.profile.buffers import BufferDumpError, read_buffers, read_dump
 
 cache = sys.argv[1]
 f = jax.jit(lambda x: jnp.sin(x) * 2)
@@ -378,6 +378,18 @@ first, second = read_buffers(f, x), read_buffers(f, x)
 assert sorted(os.listdir(cache)) == held, "the dump compile wrote to the cache"
 temp = f.lower(x).compile().memory_analysis().temp_size_in_bytes
 assert first.temp_allocation_bytes == second.temp_allocation_bytes == temp
+
+def message(directory):
+    try:
+        read_dump(directory)
+    except BufferDumpError as e:
+        return str(e)
+    raise AssertionError(f"read_dump({directory!r}) read something")
+
+# An empty dump directory may be a compilation the cache served; no directory is a wrong path.
+empty = tempfile.mkdtemp()
+assert cache in message(empty), message(empty)
+assert "cache" not in message(os.path.join(cache, "absent")), message(os.path.join(cache, "absent"))
 print("peak", first.peak_bytes, second.peak_bytes)
 """
     env = dict(

@@ -362,7 +362,11 @@ def _dump_files(directory: str, module: str | None) -> tuple[str, str, str, str]
     """``(name, hlo, buffer assignment, live range)`` paths of the module to read."""
     assignments = _assignment_files(directory)
     if not assignments:
-        raise _missing(f"no XLA buffer assignment (*-buffer-assignment.txt) in {directory}")
+        # No directory at all: a wrong path, not a compilation the cache served.
+        raise _missing(
+            f"no XLA buffer assignment (*-buffer-assignment.txt) in {directory}",
+            cache_hint=os.path.isdir(directory),
+        )
     candidates = [p for p in assignments if module is None or _dump_module_name(p) == module]
     if not candidates:
         found = sorted({_dump_module_name(p) for p in assignments})

@@ -43,11 +43,12 @@ def _error(what: str, path: str | None = None, lineno: int | None = None, line: 
     )
 
 
-def _missing(what: str) -> BufferDumpError:
-    """A :class:`BufferDumpError` for a dump file that is not there."""
+def _missing(what: str, cache_hint: bool = True) -> BufferDumpError:
+    """A :class:`BufferDumpError` for a dump file that is not there (with ``cache_hint``, saying
+    that the persistent compilation cache, when on, may be why)."""
     hint = ""
     cache_dir = jax.config.jax_compilation_cache_dir
-    if cache_dir and jax.config.jax_enable_compilation_cache:
+    if cache_hint and cache_dir and jax.config.jax_enable_compilation_cache:
         hint = (
             f"; the persistent compilation cache ({cache_dir}) may have served the executable "
             "without compiling it, and XLA dumps only what it compiles (JAX leaves the dump "
