@@ -21,7 +21,8 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 
 # Under CI the suite compiles many programs more than once (a reference in several tests, the
 # same step in several modes): JAX's persistent compilation cache, new for each run, serves the
-# repeats (about a fifth of a module's time). One directory per process of the run (each xdist
+# repeats (tests/scan/test_primitive.py 109 s -> 85 s; the whole suite 4.5% faster on jax 0.12,
+# 9% on 0.10.2, on 2 cores). One directory per process of the run (each xdist
 # worker; the subprocesses and notebook kernels a test starts inherit it), so that no two
 # processes write and read an entry at once. Executables from the cache report the same
 # memory_analysis; jaxmem's buffer reader compiles past it (it needs XLA's dump).
