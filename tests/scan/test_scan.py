@@ -905,11 +905,16 @@ def all_results(name: str) -> dict | None:
     each test computes its own kind, so the error shows in the test it belongs to.
     """
     run, args = CASES[name].build()
-    fns = {kind: values_and_grads_fn(run, scan_of(kind)) for kind in KINDS}
     try:
-        return jax.jit(lambda *a: {kind: f(*a) for kind, f in fns.items()})(*args)
+        return results_at_once(run, args, KINDS)
     except Exception:  # Raised again by result(), in the test of the kind that fails.
         return None
+
+
+def results_at_once(run, args, kinds) -> dict:
+    """``{kind: (values, grads)}`` of ``run`` on ``args``, every kind in one jitted program."""
+    fns = {kind: values_and_grads_fn(run, scan_of(kind)) for kind in kinds}
+    return jax.jit(lambda *a: {kind: f(*a) for kind, f in fns.items()})(*args)
 
 
 def result(name: str, kind: str):
@@ -942,8 +947,7 @@ def test_float64_gradients_equal_lax_scan(name):
     run, args = CASES[name].build()
     with jax.enable_x64(True):
         args = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), args)
-        fns = {kind: values_and_grads_fn(run, scan_of(kind)) for kind in ("lax", *RECOMPUTE_MODES)}
-        results = jax.jit(lambda *a: {kind: f(*a) for kind, f in fns.items()})(*args)
+        results = results_at_once(run, args, ("lax", *RECOMPUTE_MODES))
     assert jax.tree.leaves(results["lax"][1])[0].dtype == jnp.float64
     for kind in RECOMPUTE_MODES:
         assert_trees_close(results[kind], results["lax"], 1e-12, f"{name} float64 {kind}")
