@@ -21,7 +21,8 @@ Cases:
    step ``h + jax.vmap(eqx.combine(p, static))(h)`` over the tokens, ``loss = mean(h_L**2)``,
    gradient w.r.t. the layers' arrays and the input. Rows: ``jax.lax.scan`` (stock),
    ``jax.lax.scan`` of the ``jax.checkpoint``-ed step (peer: stock remat), ``jaxmem.scan`` at
-   its defaults.
+   its defaults (``recompute="auto"``) and with ``recompute="none"`` (what the cost-aware cut's
+   recomputes save and cost).
 2. ``gemma <remat>``: Flax's own Gemma decoder ``Block`` (NNX; :mod:`benchmarks.gemma_block`,
    vendored from Flax's ``examples/gemma``) with the ``gemma_2b`` preset's attention (8 heads of
    256, one key/value head) at a small width, ``L`` blocks made with ``nnx.split_rngs`` and
@@ -280,6 +281,11 @@ def equinox_case(sizes: Sizes, activation: str) -> Case:
         Impl("jax.lax.scan", STOCK, grad(jax.lax.scan)),
         Impl("jax.lax.scan, jax.checkpoint(step)", PEER, grad(jax.lax.scan, jax.checkpoint(step))),
         Impl("jaxmem.scan", JAXMEM, grad(jaxmem.scan)),
+        Impl(
+            'jaxmem.scan(recompute="none")',
+            JAXMEM,
+            grad(functools.partial(jaxmem.scan, recompute="none")),
+        ),
     )
     return Case(name, description, impls, (params, x), sizes.eqx_repeats)
 
