@@ -1380,3 +1380,28 @@ def test_scan_does_not_leak_the_enclosing_trace():
     )(jnp.float32(0.5), jnp.ones(4))
     np.testing.assert_allclose(g, ref, rtol=1e-6)
     np.testing.assert_allclose(g_eager, ref, rtol=1e-6)
+
+
+def test_a_pass_through_carry_is_a_constant_and_an_xs_returned_as_ys_is_not_copied():
+    """As in ``jax.lax.scan``: a carry leaf the step returns unchanged is not carried (its uses
+    read it as a constant: nothing of it is kept per step) and an xs leaf the step returns as a
+    ys comes back as the xs array itself (no stacked copy)."""
+    r = np.random.default_rng(0)
+    w = jnp.asarray(r.standard_normal((D, D)), f32)
+    h0, k0, xs = (jnp.asarray(r.standard_normal(s), f32) for s in ((B, D), (B, D), (T, B, D)))
+
+    def step(c, x):
+        h, k = c
+        return (jnp.tanh(h @ w + k * x), k), (x, h * k)
+
+    jaxpr = jax.make_jaxpr(lambda h0, k0, xs: jaxmem.scan(step, (h0, k0), xs))(h0, k0, xs)
+    j = jaxpr.jaxpr
+    final_k, ys_x = j.outvars[1], j.outvars[2]
+    assert final_k is j.invars[1] and ys_x is j.invars[2]
+    plan = jaxmem.scan_residuals(step, (h0, k0), xs)
+    assert [(res.kind, res.shape) for res in plan.stacked] == [("carry", (B, D))]
+    assert ("const", (B, D)) in [(res.kind, res.shape) for res in plan.residuals]
+    for scan in (jax.lax.scan, loop_scan):
+        expected = values_and_grads_fn(lambda s, *a: s(step, (a[0], a[1]), a[2]), scan)
+        got = values_and_grads_fn(lambda s, *a: s(step, (a[0], a[1]), a[2]), jaxmem.scan)
+        assert_trees_close(jax.jit(got)(h0, k0, xs), jax.jit(expected)(h0, k0, xs))

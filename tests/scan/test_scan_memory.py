@@ -349,6 +349,31 @@ def test_random_body_is_not_above_stock(seed):
     )
 
 
+# Seeds past N_BODIES whose bodies compiled above stock (up to 3.0x) in a run of seeds 200 to
+# 1050 on jax 0.12.0.1, each fixed at its root: a carry the step returns unchanged (418, 799,
+# 843: now a constant, as lax.scan makes it), an xs returned as a ys (586: now the xs array
+# itself, not a stacked copy), and what the steps of a loop unrolled in part read (456, 553,
+# 594, 675, 802, 860, 1002, 1042: a barrier on a remat's inputs kept every unrolled step's
+# slices live, and without it XLA computed every step's reads and recomputes at the top of the
+# loop body; the backward step now reads at an index that passes a barrier with the cotangent).
+# On jax 0.10.2 body 1002 (a carry-in served from the ys, unroll 4) stays at 1.108x: there the
+# lowered loop body has one barrier, not four (0.12), in a call of its own that returns only
+# the carry-in it selects, so it no longer orders the reads after the cotangent. Strict: the
+# test fails once that is fixed.
+_ON_0_10 = jax.__version__.startswith("0.10")
+_READ_BARRIER_GAP = pytest.mark.xfail(
+    _ON_0_10, reason="jax 0.10.2: the read barrier is split from the cotangent", strict=True
+)
+FOUND_ABOVE = (418, 456, 553, 586, 594, 675, 799, 802, 843, 860, 1002, 1042)
+
+
+@pytest.mark.parametrize(
+    "seed", [pytest.param(s, marks=_READ_BARRIER_GAP) if s == 1002 else s for s in FOUND_ABOVE]
+)
+def test_random_body_once_above_stock_is_not(seed):
+    test_random_body_is_not_above_stock(seed)
+
+
 def test_issue_body_h_times_xw_is_not_above_stock():
     """``h * (x @ w)`` with ys ``x @ w`` and a loss of the ys only (the final carry is unused).
 

@@ -238,20 +238,36 @@ class _LeanScan:
         rebuild = _jc.jaxpr_as_fun(step_plan.rebuild)
         remat = _has_remat(_jc.open_jaxpr(self.body.jaxpr))
         pin_at = [i for i, k in enumerate(step_plan.res_classes) if k == "const"] if remat else []
-        # Unrolled, the backward steps' recomputes sit beside the forward steps' computations
-        # in one straight-line program, and XLA would schedule a full remat's recompute (its
-        # residuals are the step's inputs alone) in the forward, keeping what it was to
-        # recompute: 2.5x lax.scan's temp over jax.checkpoint at T=7 unrolled. The inputs then
-        # pass a barrier with the cotangent, as jax.checkpoint's prevent_cse passes a remat's.
+        # Unrolled whole, the backward steps' recomputes sit beside the forward steps'
+        # computations in one straight-line program, and XLA would schedule a full remat's
+        # recompute (its residuals are the step's inputs alone) in the forward, keeping what it
+        # was to recompute: 2.5x lax.scan's temp over jax.checkpoint at T=7 unrolled. The
+        # inputs then pass a barrier with the cotangent, as jax.checkpoint's prevent_cse passes
+        # a remat's.
         # Where the policy saves values too, the barrier measured above stock (1.10x on a body
         # saving its dots) and the recompute from saved values stays where it is.
         unroll = _loop_unroll(self.length, self.unroll)
         inputs_only = all(k in ("carry", "xs", "const") for k in step_plan.res_classes)
-        pin_all = remat and inputs_only and (unroll is True or int(unroll) > 1)
+        pin_all = remat and inputs_only and (unroll is True or int(unroll) >= self.length)
+        # Unrolled in part, XLA computes what each unrolled step reads (its slices of the
+        # stacks, a carry-in served from the ys, a remat's recompute from them) at the top of
+        # the loop body, every step's live at once: up to 1.2x lax.scan's temp at unroll 3 or 4
+        # (a barrier on the recompute's inputs instead keeps every step's slices, materialized,
+        # 1.2x-1.5x). The backward step instead reads the stacks at an index that passes a
+        # barrier with the cotangent, so that each step reads when it runs. Not where values
+        # come back from host memory (their reads stay as lax.scan's slices).
+        index_reads = not isinstance(unroll, bool) and 1 < int(unroll) < self.length
+        index_reads = index_reads and not any(plan.offload_stacked + plan.offload_carry)
 
         def step(bcarry, inp):
             ct_carry, ct_consts, c_out = bcarry
             t, x, y_read, stacked_t, c_in, ct_y = inp
+            if index_reads:
+                t, ct_carry = jax.lax.optimization_barrier((t, ct_carry))
+                x, y_read, stacked_t, c_in = jax.tree.map(
+                    lambda a: jax.lax.dynamic_index_in_dim(a, t, keepdims=False),
+                    (saved.xs, saved.ys_read, saved.stacked, saved.carry_seq),
+                )
             stacked_t = [
                 jax.tree.map(_to_device, v) if off else v
                 for v, off in zip(stacked_t, plan.offload_stacked, strict=True)
@@ -310,14 +326,10 @@ class _LeanScan:
             [_zeros_ct(const_avals[i]) for i in float_consts],
             list(saved.final_kept),
         )
-        inputs = (
-            jnp.arange(self.length, dtype=jnp.int32),
-            saved.xs,
-            saved.ys_read,
-            saved.stacked,
-            saved.carry_seq,
-            [ct_ys[i] for i in float_y],
-        )
+        read = ([], [], [], []) if index_reads else (
+            saved.xs, saved.ys_read, saved.stacked, saved.carry_seq
+        )  # fmt: skip
+        inputs = (jnp.arange(self.length, dtype=jnp.int32), *read, [ct_ys[i] for i in float_y])
         (ct_init_f, ct_consts_f, _), ct_xs_f = self._scan(step, init_b, inputs, not self.reverse)
         values = (ct_consts_f, ct_init_f, ct_xs_f)
         return _input_cotangents(avals, live, values, self.length, self.spaces)
