@@ -4,8 +4,10 @@ docs/).
 Set before jax is imported anywhere: several fake CPU devices, so sharding-aware code is
 exercised, and rank promotion raises, so broadcasting bugs surface. Under CI (``CI`` set) LLVM
 does not optimize the compiled code (XLA's own passes and buffer assignment still run, so
-values and memory figures are those of a default compile): the suite is dominated by compile
-time, about a fifth of which this saves. Subprocesses and notebook kernels inherit the flags.
+memory figures are those of a default compile, and values too, but for the XLA:CPU of jax
+0.10.2, which miscompiles some ``lax.scan`` gradients at this level: see ``CHAIN_COMPILE`` in
+tests/scan/test_scan_random.py): the suite is dominated by compile time, about a fifth of which
+this saves. Subprocesses and notebook kernels inherit the flags.
 """
 
 import atexit
