@@ -251,7 +251,7 @@ class _LeanScan:
         pin_all = remat and inputs_only and (unroll is True or int(unroll) >= self.length)
         # Unrolled in part, XLA computes what each unrolled step reads (its slices of the
         # stacks, a carry-in served from the ys, a remat's recompute from them) at the top of
-        # the loop body, every step's live at once: up to 1.2x lax.scan's temp at unroll 3 or 4
+        # the loop body, every step's live at once: 1.1x-3.0x lax.scan's temp at unroll 3 or 4
         # (a barrier on the recompute's inputs instead keeps every step's slices, materialized,
         # 1.2x-1.5x). The backward step instead reads the stacks at an index that passes a
         # barrier with the cotangent, so that each step reads when it runs. Not where values
