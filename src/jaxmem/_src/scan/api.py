@@ -34,7 +34,7 @@ from jaxmem._src.scan import primitive as _primitive
 from jaxmem._src.scan import schedule as _schedule
 from jaxmem._src.scan import summary as _summary
 from jaxmem._src.scan.lean import _LeanScan, _stock_stacked_bytes
-from jaxmem._src.scan.trace import _hoist_forwarded_carries, _prepare, _prune_forwarded_ys
+from jaxmem._src.scan.trace import _drop_forwarded, _prepare
 
 
 class ForwardModeError(TypeError):
@@ -113,9 +113,9 @@ def scan_residuals(f: Callable, init: Any, xs: Any = None, length: int | None = 
     f = _opts.apply_policy(f, opts.policy, fname)
 
     def trace(init, xs):
-        body, init_leaves, _, _, n = _prepare(f, init, xs, length, fname, diff_consts=True)
-        body, _, _ = _hoist_forwarded_carries(body, init_leaves)
-        body, _ = _prune_forwarded_ys(body)
+        prepared = _prepare(f, init, xs, length, fname, diff_consts=True)
+        body, init_leaves, xs_leaves, _, n = prepared
+        body, _, _ = _drop_forwarded(body, init_leaves, xs_leaves)
         reverse = bool(kwargs.get("reverse", False))
         lean = _LeanScan(
             body, n, reverse, opts.unroll, opts.recompute, opts.offload, fname,

@@ -37,13 +37,7 @@ from jaxmem._src import jax_compat as _jc
 from jaxmem._src.scan import options as _opts
 from jaxmem._src.scan.checkpointed import _CheckpointedScan
 from jaxmem._src.scan.lean import _LeanScan
-from jaxmem._src.scan.trace import (
-    _hoist_forwarded_carries,
-    _prepare,
-    _prune_forwarded_ys,
-    _with_forwarded,
-    _with_forwarded_ys,
-)
+from jaxmem._src.scan.trace import _drop_forwarded, _prepare
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,9 +54,8 @@ class LoopConfig:
 
 def run(f, init, xs, length, reverse: bool, config: LoopConfig):
     """Traces ``f`` and runs it as one ``jaxmem_scan``: ``(final carry, ys)`` as pytrees."""
-    body, all_init, xs_leaves, _, length = _prepare(f, init, xs, length, config.fname)
-    body, init_leaves, forwarded = _hoist_forwarded_carries(body, all_init)
-    body, ys_from = _prune_forwarded_ys(body)
+    body, init_leaves, xs_leaves, _, length = _prepare(f, init, xs, length, config.fname)
+    body, init_leaves, restore = _drop_forwarded(body, init_leaves, xs_leaves)
     slots = _opts.check_checkpoints(config.slots_arg, config.offload, length, config.fname)
     inputs = (tuple(body.consts), tuple(init_leaves), tuple(xs_leaves))
     spaces = [jax.typeof(v).memory_space for group in inputs for v in group]
@@ -79,8 +72,7 @@ def run(f, init, xs, length, reverse: bool, config: LoopConfig):
         final, ys = JaxmemScan(rules, config, inputs)(*inputs)
     else:  # a custom VJP (jax 0.10.2 checking leaks): forward mode raises JAX's TypeError
         final, ys = _custom_vjp(rules)(*(list(g) for g in inputs))
-    final = _with_forwarded(final, all_init, forwarded)
-    ys = _with_forwarded_ys(ys, xs_leaves, ys_from)
+    final, ys = restore(final, ys)
     return tree_unflatten(body.carry_tree, final), tree_unflatten(body.y_tree, ys)
 
 

@@ -80,88 +80,53 @@ def _trace_body(
     return body, out_avals
 
 
-def _hoist_forwarded_carries(body: _Body, init_leaves: list):
-    """Moves the carry leaves the step returns unchanged into the body's traced constants.
+def _drop_forwarded(body: _Body, init_leaves: list, xs_leaves: list):
+    """Takes out of the loop what the step only forwards, as ``jax.lax.scan`` does (both
+    versions): a carry leaf returned unchanged (``carry_out[i]`` is ``carry_in[i]``) becomes a
+    traced constant, and a ys leaf that is an xs slice (``y = x``) is dropped from the body.
 
-    A carry the step passes through (``carry_out[i]`` is ``carry_in[i]``) is the same value in
-    every step: as a constant its uses get their cotangents summed over the steps, and nothing of
-    it is carried or stacked for the backward pass. ``jax.lax.scan`` does the same (both
-    versions), so without it a step that reads a pass-through carry kept its sequence, stacked
-    (2.5x ``lax.scan``'s temp on a [32, 64] carry over 7 steps).
+    A pass-through carry is the same value in every step: as a constant its uses get their
+    cotangents summed over the steps and nothing of it is kept per step (kept, its sequence was
+    stacked: 2.5x ``lax.scan``'s temp on a [32, 64] carry over 7 steps). A forwarded ys is the
+    xs array itself, whose cotangent then reaches the xs directly instead of entering the
+    backward loop as a stacked input (1.85x on a [32, 32, 64] xs returned as ys).
 
-    Returns ``(body, init_leaves, forwarded)``: the body with inputs ``(*consts, *moved,
-    *carry, *x)`` and outputs ``(*carry, *y)`` for the carry leaves kept, the initial values of
-    those, and per original carry leaf whether it was moved (None where none was).
+    Returns ``(body, init_leaves, restore)``: the body with inputs ``(*consts, *moved, *carry,
+    *x)`` and outputs ``(*carry, *y)`` for the carry and ys leaves it keeps, the initial values
+    of the carry leaves kept, and ``restore(final, ys)``, which gives the original body's final
+    carry and ys leaves from the loop's.
     """
     jaxpr = _jc.open_jaxpr(body.jaxpr)
     n_consts, n_carry = len(body.consts), body.n_carry
     carry_in = jaxpr.invars[n_consts : n_consts + n_carry]
-    carry_out = jaxpr.outvars[:n_carry]
-    forwarded = [_jc.is_var(o) and o is i for i, o in zip(carry_in, carry_out, strict=True)]
-    if not any(forwarded):
-        return body, init_leaves, None
-    pick = lambda seq, moved: [v for v, f in zip(seq, forwarded, strict=True) if f == moved]
+    x_in = jaxpr.invars[n_consts + n_carry :]
+    carry_out, ys_out = jaxpr.outvars[:n_carry], jaxpr.outvars[n_carry:]
+    moved = [o is i for i, o in zip(carry_in, carry_out, strict=True)]
+    ys_from = [next((j for j, x in enumerate(x_in) if x is y), None) for y in ys_out]
+    if not any(moved) and all(j is None for j in ys_from):
+        return body, init_leaves, lambda final, ys: (list(final), list(ys))
+    pick = lambda seq, flags, keep: [v for v, f in zip(seq, flags, strict=True) if f == keep]
+    computed = [j is None for j in ys_from]
     invars = [
         *jaxpr.invars[:n_consts],
-        *pick(carry_in, True),
-        *pick(carry_in, False),
-        *jaxpr.invars[n_consts + n_carry :],
+        *pick(carry_in, moved, True),
+        *pick(carry_in, moved, False),
+        *x_in,
     ]
-    outvars = [*pick(carry_out, False), *jaxpr.outvars[n_carry:]]
+    outvars = [*pick(carry_out, moved, False), *pick(ys_out, computed, True)]
     closed = _jc.closed_jaxpr(
         _jc.make_jaxpr(jaxpr, invars=invars, outvars=outvars), _jc.jaxpr_consts(body.jaxpr)
     )
-    consts = [*body.consts, *pick(init_leaves, True)]
-    kept = pick(init_leaves, False)
-    hoisted = _Body(closed, consts, len(kept), body.carry_tree, body.y_tree)
-    return hoisted, kept, forwarded
+    consts = [*body.consts, *pick(init_leaves, moved, True)]
+    kept = pick(init_leaves, moved, False)
+    dropped = _Body(closed, consts, len(kept), body.carry_tree, body.y_tree)
 
+    def restore(final, ys):
+        final, ys = iter(final), iter(ys)
+        final = [x if m else next(final) for x, m in zip(init_leaves, moved, strict=True)]
+        return final, [next(ys) if j is None else xs_leaves[j] for j in ys_from]
 
-def _prune_forwarded_ys(body: _Body):
-    """Drops the ys outputs that are an xs slice unchanged (``y = x``) from the body.
-
-    Those ys are the xs themselves: ``jax.lax.scan`` returns the xs array rather than stacking a
-    copy of it (both versions), and so does :func:`jaxmem.scan`, whose cotangent then reaches the
-    xs directly instead of entering the backward loop as a stacked input (1.85x ``lax.scan``'s
-    temp on a [32, 32, 64] xs returned as ys).
-
-    Returns ``(body, ys_from)``: the body without those outputs, and per original ys leaf the
-    index of the xs leaf it is (None where it is computed; None for the whole list where no ys
-    is forwarded).
-    """
-    jaxpr = _jc.open_jaxpr(body.jaxpr)
-    n_in = len(jaxpr.invars)
-    n_x = n_in - len(body.consts) - body.n_carry
-    x_in = jaxpr.invars[n_in - n_x :]
-    ys_out = jaxpr.outvars[body.n_carry :]
-    ys_from = [
-        next((j for j, x in enumerate(x_in) if x is y), None) if _jc.is_var(y) else None
-        for y in ys_out
-    ]
-    if all(j is None for j in ys_from):
-        return body, None
-    computed = [y for y, j in zip(ys_out, ys_from, strict=True) if j is None]
-    outvars = [*jaxpr.outvars[: body.n_carry], *computed]
-    closed = _jc.closed_jaxpr(_jc.make_jaxpr(jaxpr, outvars=outvars), _jc.jaxpr_consts(body.jaxpr))
-    return _Body(closed, body.consts, body.n_carry, body.carry_tree, body.y_tree), ys_from
-
-
-def _with_forwarded_ys(ys: list, xs_leaves: list, ys_from) -> list:
-    """The ys leaves of the original body: the loop's, and the xs leaves that
-    :func:`_prune_forwarded_ys` dropped from it."""
-    if ys_from is None:
-        return list(ys)
-    rest = iter(ys)
-    return [next(rest) if j is None else xs_leaves[j] for j in ys_from]
-
-
-def _with_forwarded(final: list, init_leaves: list, forwarded) -> list:
-    """The final carry leaves of the original carry: the loop's, and the initial values of the
-    carries :func:`_hoist_forwarded_carries` moved."""
-    if forwarded is None:
-        return list(final)
-    rest = iter(final)
-    return [x if f else next(rest) for x, f in zip(init_leaves, forwarded, strict=True)]
+    return dropped, kept, restore
 
 
 def _prepare(f, init, xs, length, fname, diff_consts=False):
