@@ -360,11 +360,15 @@ def test_random_body_is_not_above_stock(seed):
 # lowered loop body has one barrier, not four (0.12), in a call of its own that returns only
 # the carry-in it selects, so it no longer orders the reads after the cotangent. Strict: the
 # test fails once that is fixed.
+# Seeds 1151 and 1414 (1.09x and 1.10x, from a run of seeds 1050 to 3000 on jax 0.12.0.1): the
+# barrier that keeps a remat's recompute from loop invariants in the backward loop was taken
+# for what the step computes from its cotangents too (held as constants of the traced step), and
+# cost a value of the step per unrolled step; the cotangents now count as varying.
 _ON_0_10 = jax.__version__.startswith("0.10")
 _READ_BARRIER_GAP = pytest.mark.xfail(
     _ON_0_10, reason="jax 0.10.2: the read barrier is split from the cotangent", strict=True
 )
-FOUND_ABOVE = (418, 456, 553, 586, 594, 675, 799, 802, 843, 860, 1002, 1042)
+FOUND_ABOVE = (418, 456, 553, 586, 594, 675, 799, 802, 843, 860, 1002, 1042, 1151, 1414)
 
 
 @pytest.mark.parametrize(
@@ -372,6 +376,34 @@ FOUND_ABOVE = (418, 456, 553, 586, 594, 675, 799, 802, 843, 860, 1002, 1042)
 )
 def test_random_body_once_above_stock_is_not(seed):
     test_random_body_is_not_above_stock(seed)
+
+
+# Seeds past N_BODIES still above the bar (the same run of seeds 1050 to 3000), open. Mostly on
+# jax 0.12, whose lax.scan is leaner than 0.10.2's on these bodies:
+# - T=7 at unroll=4: jaxmem.scan unrolls such a loop whole (one unrolled trip and a remainder
+#   copy every stack, see scan's _loop_unroll), lax.scan runs a trip of four and a loop of three:
+#   1.2x-3.0x on 0.12 (bodies of at most 300 KB; a rule that unrolls by a divisor instead puts
+#   two bodies of the N_BODIES above the bar);
+# - a carry computed from the carry (tanh(h), unroll 1): jaxmem.scan keeps the carry sequence and
+#   threads the carry-out through the backward loop, jax 0.12's lax.scan stacks 1 - tanh(h)^2 and
+#   no more, two carry-sized values less (1.07x-1.28x; 0.53x-0.64x on jax 0.10.2);
+# - loops unrolled in part, each two carry-sized values above: x - h (2.97x of 12 KB), x @ w2
+#   (1.13x), a carry multiplied into itself (1.07x), 2h * leaky(x @ w2) (1.06x; 1.05x on 0.10.2).
+# Strict: each test fails once its body is within the bar.
+KNOWN_ABOVE_0_12 = (
+    1133, 1294, 1640, 1696, 1715, 1810, 1965, 1995, 2040, 2277, 2376, 2539, 2606, 2874
+)  # fmt: skip
+KNOWN_ABOVE_0_10 = (2040, 2874)
+
+
+@pytest.mark.parametrize("seed", sorted({*KNOWN_ABOVE_0_12, *KNOWN_ABOVE_0_10}))
+def test_random_body_still_above_stock(seed):
+    known = KNOWN_ABOVE_0_10 if _ON_0_10 else KNOWN_ABOVE_0_12
+    if seed in known:
+        with pytest.raises(AssertionError, match="compiled temp"):
+            test_random_body_is_not_above_stock(seed)
+    else:
+        test_random_body_is_not_above_stock(seed)
 
 
 def test_issue_body_h_times_xw_is_not_above_stock():
