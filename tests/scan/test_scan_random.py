@@ -243,7 +243,8 @@ GRAD_RTOL = 1e-5
 # of 3,328 elements, [13, 8, 32] xs), at backend optimization level 0 only (levels 1-3 and jax
 # 0.12 are exact), in 4 of 35 batches of a wider draw than the one below. Where
 # jaxmem.scan differs from the reference compiled this way, the reference compiled at the
-# default level arbitrates.
+# default level arbitrates. On jax 0.12.0.1 level 0 gave a non-finite lax.scan gradient in one
+# batch of 300 past the draw (LEVEL_0_NOT_FINITE below); the default level arbitrates it too.
 #
 # Some chains are ill-conditioned in float32: through 20 steps of near-ties in a row's maximum,
 # lax.scan's own float32 gradient is 1e-4 to 2e-3 (relative) off the float64 one, and any change
@@ -489,7 +490,8 @@ def grad_mismatch(grads, ref) -> str | None:
     steps is not held to that leaf's rounding); else where and by how much they differ."""
     paths_leaves, _ = jax.tree_util.tree_flatten_with_path(ref)
     ref64 = [np.asarray(leaf, np.float64) for _, leaf in paths_leaves]
-    assert all(np.all(np.isfinite(leaf)) for leaf in ref64), "the reference is not finite"
+    if not all(np.all(np.isfinite(leaf)) for leaf in ref64):
+        return "the reference is not finite"
     scale = max(float(np.max(np.abs(leaf))) for leaf in ref64)
     out = []
     for (path, _), e, a in zip(paths_leaves, ref64, jax.tree.leaves(grads), strict=True):
@@ -547,10 +549,19 @@ def test_chooser_bodies_gradients_match_lax_scan(seed):
 
 # Batches past the draw whose float32 gradients are ill-conditioned (see GRAD_RTOL's comment).
 ILL_CONDITIONED = (39, 250, 285)
+# A batch past the draw where, on jax 0.12.0.1 at level 0 only, lax.scan's gradient (and a
+# Python loop's) of a chain of dots and row maxima is not finite (every element of h0's, most of
+# the xs') while jaxmem.scan's is finite and equal to the reference compiled at level 3.
+LEVEL_0_NOT_FINITE = (297,)
 
 
 @pytest.mark.parametrize("seed", ILL_CONDITIONED)
 def test_ill_conditioned_chooser_bodies_are_no_further_from_float64(seed):
+    check_chooser_batch(seed)
+
+
+@pytest.mark.parametrize("seed", LEVEL_0_NOT_FINITE)
+def test_chooser_batch_with_a_non_finite_level_0_reference(seed):
     check_chooser_batch(seed)
 
 
