@@ -461,6 +461,12 @@ def chain_args(chain: Chain, t: int, seed: int):
     return n(d, d), n(b, d), n(b, d), {"m": n(t, d, d), "x": n(t, b, d)}, n(t, b, d)
 
 
+def batch_args(batch: ChainBatch):
+    """``(params, wys)`` of a batch: per chain ``(a, h0, c0, xs)`` and the ys weights."""
+    args = [chain_args(ch, batch.t, 1000 * batch.seed + k) for k, ch in enumerate(batch.chains)]
+    return [a[:4] for a in args], [a[4] for a in args]
+
+
 def batch_grads(batch: ChainBatch, scan):
     """``(params, wys) -> per-chain gradients (a, h0, c0, xs)`` of the loss: for each chain, the
     sum of its final carries squared plus the sum of its ys times the fixed weights ``wy``, summed
@@ -569,8 +575,7 @@ def test_float64_arbiter_rejects_a_dropped_gradient():
     """A gradient with one element dropped (what the issue's bug did to a quarter of them) is
     further from float64 than lax.scan's float32 one, even on an ill-conditioned chain."""
     batch = draw_batch(ILL_CONDITIONED[0])
-    args = [chain_args(ch, batch.t, 1000 * batch.seed + k) for k, ch in enumerate(batch.chains)]
-    params, wys = [a[:4] for a in args], [a[4] for a in args]
+    params, wys = batch_args(batch)
     ref = jax.jit(batch_grads(batch, jax.lax.scan), compiler_options=CHAIN_COMPILE)(params, wys)
     ref64 = float64_grads(batch, params, wys)
     for r, e in zip(ref, ref64, strict=True):
@@ -584,8 +589,7 @@ def test_float64_arbiter_rejects_a_dropped_gradient():
 
 def check_chooser_batch(seed: int):
     batch = draw_batch(seed)
-    args = [chain_args(ch, batch.t, 1000 * seed + k) for k, ch in enumerate(batch.chains)]
-    params, wys = [a[:4] for a in args], [a[4] for a in args]
+    params, wys = batch_args(batch)
     both = lambda p, w: (
         batch_grads(batch, jaxmem.scan)(p, w),
         batch_grads(batch, jax.lax.scan)(p, w),

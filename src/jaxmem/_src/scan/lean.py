@@ -213,26 +213,24 @@ class _LeanScan:
         pairs = self.plan.step.carry_read_from_y
         if self.length == 0:  # The loop body is traced but never runs.
             return list(saved.init_from_y)
-        first, back = (self.length - 1, 1) if self.reverse else (0, -1)
-        prev = jnp.clip(t + back, 0, self.length - 1)
-        return [
-            jnp.where(
-                t == first,
-                init_v,
-                jax.lax.dynamic_index_in_dim(saved.ys_read[k], prev, keepdims=False),
-            )
-            for (_, k), init_v in zip(pairs, saved.init_from_y, strict=True)
-        ]
+        ys = [saved.ys_read[k] for _, k in pairs]
+        return self._adjacent(ys, saved.init_from_y, t, after=False)
 
     def _carry_out_from_seq(self, saved: _Saved, t, out_read):
         """Carry-outs read from the kept carry-ins: step t's is carry_seq[t + 1] (t - 1 if
         reverse), or the final carry."""
-        last, step = (0, -1) if self.reverse else (self.length - 1, 1)
-        nxt = jnp.clip(t + step, 0, self.length - 1)
         seqs = [c for c, r in zip(saved.carry_seq, out_read, strict=True) if r]
+        return self._adjacent(seqs, saved.final_kept, t, after=True)
+
+    def _adjacent(self, stacks, edges, t, after: bool):
+        """Per stack, its element of the step that runs after step t (``after``) or before it,
+        in the loop's order; ``edges`` where step t is the last (first) to run."""
+        d = 1 if after != self.reverse else -1
+        edge = self.length - 1 if d == 1 else 0
+        i = jnp.clip(t + d, 0, self.length - 1)
         return [
-            jnp.where(t == last, final, jax.lax.dynamic_index_in_dim(seq, nxt, keepdims=False))
-            for seq, final in zip(seqs, saved.final_kept, strict=True)
+            jnp.where(t == edge, e, jax.lax.dynamic_index_in_dim(s, i, keepdims=False))
+            for s, e in zip(stacks, edges, strict=True)
         ]
 
     def _bwd(self, saved: _Saved, cts):
