@@ -132,6 +132,33 @@ def invariant_bytes(jaxpr, invariant: Sequence[bool]) -> int:
     return total
 
 
+def used_invars(jaxpr) -> list[bool]:
+    """Per input of ``jaxpr``, whether an output depends on it (through any equation that
+    computes an output, or has effects)."""
+    live = {v for v in jaxpr.outvars if _is_var(v)}
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.effects or any(_is_var(v) and v in live for v in eqn.outvars):
+            live.update(v for v in eqn.invars if _is_var(v))
+    return [v in live for v in jaxpr.invars]
+
+
+def forwarded_inputs(jaxpr) -> list:
+    """Per output of ``jaxpr``, the index of the input it is (passed through unchanged, at any
+    depth of calls and remats), else None."""
+    origin = {v: i for i, v in enumerate(jaxpr.invars)}
+    for eqn in jaxpr.eqns:
+        subs = jc.subjaxprs(eqn)
+        if eqn.primitive.name not in (*jc.CALL_PRIMITIVES, "remat2") or len(subs) != 1:
+            continue
+        inner = forwarded_inputs(subs[0])
+        if len(subs[0].invars) != len(eqn.invars) or len(inner) != len(eqn.outvars):
+            continue
+        for out, k in zip(eqn.outvars, inner, strict=True):
+            if k is not None and _is_var(eqn.invars[k]) and eqn.invars[k] in origin:
+                origin[out] = origin[eqn.invars[k]]
+    return [origin.get(v) if _is_var(v) else None for v in jaxpr.outvars]
+
+
 def needed_eqns(eqns, targets, available) -> list:
     """The equations (in order) that compute ``targets`` from the variables in ``available``."""
     producer = {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from typing import NamedTuple
 
 import jax
@@ -267,6 +268,31 @@ class _LeanScan:
         # come back from host memory (their reads stay as lax.scan's slices).
         index_reads = not isinstance(unroll, bool) and 1 < int(unroll) < self.length
         index_reads = index_reads and not any(plan.offload_stacked + plan.offload_carry)
+        # Per kept carry sequence: whether its carry-out is read (the next step's carry-in).
+        out_read = [
+            r for r, k in zip(step_plan.carry_out_read, step_plan.stack_carry, strict=True) if k
+        ]
+        # The carry-out a step reads is the next step's carry-in: read from the kept sequence
+        # (the final carry for the last step), not threaded through the loop as a carry of its
+        # own, which held one more carry-sized value and its copy (1.28x lax.scan's temp for a
+        # carry tanh(h) at T=7 on jax 0.12, now 1.14x; up to 12% less on 8 of 200 random bodies).
+        # Threaded where it comes back from host memory or is stored encoded: read so, it would
+        # be fetched and decoded twice.
+        index_out = (
+            any(out_read)
+            and self.length > 0
+            and not any(plan.offload_carry)
+            and all(e.format is None for e in step_plan.enc_carry)
+        )
+        # A step whose residuals read none of the values read at its index (a linear step: its
+        # VJP needs no residual) reads nothing to order, and the barrier would only keep XLA from
+        # fusing the unrolled steps' cotangent arithmetic (2.97x lax.scan's temp for x - h at
+        # unroll 3). It stays where the VJP returns a carry's cotangent unchanged (h + x): XLA
+        # would take that cotangent for loop-invariant and stack the unrolled steps' copies of
+        # it once, outside the loop (3.0x lax.scan's temp over a remat at unroll 4, whose
+        # prevent_cse barrier keeps lax.scan from doing so; 0.33x without a remat).
+        if index_reads and not _reads_at_index(step_plan, index_out):
+            index_reads = _forwards_a_carry_cotangent(step_plan, avals, live)
 
         def step(bcarry, inp):
             ct_carry, ct_consts, c_out = bcarry
@@ -322,23 +348,6 @@ class _LeanScan:
             c_out = [] if index_out else [c for c, r in zip(c_in, out_read, strict=True) if r]
             return (new_ct_carry, new_ct_consts, c_out), [d_x[i] for i in float_x]
 
-        # Per kept carry sequence: whether its carry-out is read (the next step's carry-in).
-        out_read = [
-            r for r, k in zip(step_plan.carry_out_read, step_plan.stack_carry, strict=True) if k
-        ]
-        # The carry-out a step reads is the next step's carry-in: read from the kept sequence
-        # (the final carry for the last step), not threaded through the loop as a carry of its
-        # own, which held one more carry-sized value and its copy (1.28x lax.scan's temp for a
-        # carry tanh(h) at T=7 on jax 0.12, now 1.14x; up to 12% less on 8 of 200 random bodies).
-        # Threaded where it comes back from host memory or is stored encoded: read so, it would
-        # be fetched and decoded twice.
-        index_out = (
-            any(out_read)
-            and self.length > 0
-            and not any(plan.offload_carry)
-            and all(e.format is None for e in step_plan.enc_carry)
-        )
-
         init_b = (
             # A live leaf's final cotangent can still be a symbolic zero (the loss ignores the
             # final carry, a y reads the carry).
@@ -356,6 +365,50 @@ class _LeanScan:
         (ct_init_f, ct_consts_f, _), ct_xs_f = self._scan(step, init_b, inputs, not self.reverse)
         values = (ct_consts_f, ct_init_f, ct_xs_f)
         return _input_cotangents(avals, live, values, self.length, self.spaces)
+
+
+def _reads_at_index(step_plan, index_out: bool) -> bool:
+    """Whether a backward step's rebuild uses a value it reads from a stack at its index: an xs
+    slice, a y read back, a kept carry-in or (``index_out``) carry-out, a carry-in served from
+    the ys, or a partial activation (the rebuild's inputs after its consts and hoisted values)."""
+    used = _jaxprs.used_invars(_jc.open_jaxpr(step_plan.rebuild))
+    groups = [
+        len(step_plan.const_invars) + len(step_plan.hoisted_vars),
+        len(step_plan.x_invars),
+        sum(step_plan.need_y),
+        sum(step_plan.carry_out_read),
+        sum(step_plan.stack_carry),
+        len(step_plan.carry_read_from_y),
+        len(step_plan.stacked_vars),
+    ]
+    assert sum(groups) == len(used), (groups, len(used))
+    start = list(itertools.accumulate([0, *groups]))
+    at_index = [False, True, True, index_out, True, True, True]
+    return any(any(used[start[g] : start[g + 1]]) for g in range(len(groups)) if at_index[g])
+
+
+def _forwards_a_carry_cotangent(step_plan, avals, live) -> bool:
+    """Whether a backward step returns a carry's cotangent unchanged (the carry-out is the
+    carry-in plus what does not depend on it, at any depth of calls and remats)."""
+    if not live.carry:
+        return False
+    _, carry_avals, _, y_avals = avals
+    res_structs = [_jc.struct(v.aval) for v in step_plan.traced.res_out]
+
+    def bwd(res, ct_carry, ct_y):
+        cts = (
+            _with_zeros(carry_avals, live.carry, ct_carry, zero=_jc.zero_cotangent),
+            _with_zeros(y_avals, live.y, ct_y, zero=_jc.zero_cotangent),
+        )
+        _, d_carry, _ = tree_unflatten(step_plan.res_treedef, res)(cts)
+        return [d_carry[i] for i in live.carry]
+
+    ct_carry = [_jc.struct(carry_avals[i]) for i in live.carry]
+    ct_y = [_jc.struct(y_avals[i]) for i in live.y]
+    jaxpr = jax.make_jaxpr(bwd)(res_structs, ct_carry, ct_y).jaxpr
+    n_res = len(res_structs)
+    forwarded = _jaxprs.forwarded_inputs(jaxpr)
+    return any(k == n_res + j for j, k in enumerate(forwarded))
 
 
 def _stock_stacked_bytes(body: _Body, plan, length: int) -> int:
