@@ -574,10 +574,17 @@ def plan_step(
     )
     carry_in_read = tuple(v in read_by_bwd for v in traced.carry_in)
     # A y that is an input of the step (a pass-through: nnx.scan returns the layers' state) is
-    # read from that input, never from its ys stack.
+    # read from that input, never from its ys stack. A y the cut did not keep is recomputed from
+    # what it kept, not read back: reading it would keep its whole stack alive, which the cut
+    # priced as not kept (a y the loss ignores: 1.06x lax.scan's temp where a leaky relu's
+    # output was read back beside the kept pre-activation its mask needs).
     inputs = {*traced.const_in, *traced.x_in}
     need_y = [
-        _is_var(v) and v in read_by_bwd and v not in const_only and v not in inputs
+        _is_var(v)
+        and v in read_by_bwd
+        and v in available
+        and v not in const_only
+        and v not in inputs
         for v in traced.y_out
     ]
     for i, j in enumerate(from_y):
