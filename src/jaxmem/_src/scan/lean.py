@@ -284,10 +284,11 @@ class _LeanScan:
             and not any(plan.offload_carry)
             and all(e.format is None for e in step_plan.enc_carry)
         )
-        # A step whose residuals read none of the values read at its index (a linear step: its
-        # VJP needs no residual) reads nothing to order, and the barrier would only keep XLA from
-        # fusing the unrolled steps' cotangent arithmetic (2.97x lax.scan's temp for x - h at
-        # unroll 3). It stays where the VJP returns a carry's cotangent unchanged (h + x): XLA
+        # A step whose residuals read nothing at its index from the forward loop's stacks (a
+        # linear step: its VJP needs no residual, or the xs slices alone) reads nothing to
+        # order, and the barrier would only keep XLA from fusing the unrolled steps' cotangent
+        # arithmetic (2.97x lax.scan's temp for x - h at unroll 3; 1.13x for x @ w2, 1.27x for
+        # a carry x @ w). It stays where the VJP returns a carry's cotangent unchanged (h + x): XLA
         # would take that cotangent for loop-invariant and stack the unrolled steps' copies of
         # it once, outside the loop (3.0x lax.scan's temp over a remat at unroll 4, whose
         # prevent_cse barrier keeps lax.scan from doing so; 0.33x without a remat).
@@ -368,9 +369,10 @@ class _LeanScan:
 
 
 def _reads_at_index(step_plan, index_out: bool) -> bool:
-    """Whether a backward step's rebuild uses a value it reads from a stack at its index: an xs
-    slice, a y read back, a kept carry-in or (``index_out``) carry-out, a carry-in served from
-    the ys, or a partial activation (the rebuild's inputs after its consts and hoisted values)."""
+    """Whether a backward step's rebuild uses a value it reads at its index from a stack the
+    forward loop made: a y read back, a kept carry-in or (``index_out``) carry-out, a carry-in
+    served from the ys, or a partial activation. Not an xs slice: the xs are an argument, live
+    through the program, that lax.scan's backward loop slices the same way."""
     used = _jaxprs.used_invars(_jc.open_jaxpr(step_plan.rebuild))
     groups = [
         len(step_plan.const_invars) + len(step_plan.hoisted_vars),
@@ -383,7 +385,7 @@ def _reads_at_index(step_plan, index_out: bool) -> bool:
     ]
     assert sum(groups) == len(used), (groups, len(used))
     start = list(itertools.accumulate([0, *groups]))
-    at_index = [False, True, True, index_out, True, True, True]
+    at_index = [False, False, True, index_out, True, True, True]
     return any(any(used[start[g] : start[g + 1]]) for g in range(len(groups)) if at_index[g])
 
 
