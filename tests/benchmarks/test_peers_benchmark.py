@@ -155,3 +155,27 @@ def test_bars_read_the_named_rows():
     assert {c.name: c for c in peers.check([ce], sizes)}[lce_vs_tokamax].verdict == FAIL
     # Cases absent from the run are SKIPPED.
     assert all(c.verdict == SKIPPED for c in peers.check([], sizes))
+
+
+def test_cross_entropy_time_bar_reads_its_own_pair():
+    """The cross-entropy's time bar is the pair timed alone (naive and linear_cross_entropy),
+    not the ratio among every row, where the memory-bound naive loss runs slower."""
+    sizes = peers.QUICK
+    ce = _result("cross-entropy", naive=(STOCK, 100), **{peers.LCE: ("jaxmem", 10)})
+    ce.stock.samples_s = [2.0] * 3  # among every row: x0.700
+    ce.row(peers.LCE).samples_s = [1.4] * 3
+    bar = f"cross-entropy: {peers.LCE} time <= 1.1x stock"
+    check = {c.name: c for c in peers.check([ce], sizes)}[bar]
+    assert (check.verdict, check.detail) == (PASS, "x0.700")
+    ce.paired_time[peers.LCE], ce.paired_repeats = 1.108, 21
+    check = {c.name: c for c in peers.check([ce], sizes)}[bar]
+    assert check.verdict == FAIL and check.detail.startswith("x1.108 (21 rounds, paired")
+
+
+def test_quick_cross_entropy_time_bar_is_paired(quick):
+    ce = quick["json"]["cases"]["cross-entropy"]
+    assert ce["paired_repeats"] == peers.QUICK.eqx_repeats
+    assert list(ce["paired_time_over_stock"]) == [peers.LCE]
+    assert math.isfinite(ce["paired_time_over_stock"][peers.LCE])
+    bar = next(c for c in quick["json"]["bars"] if c["name"].endswith("time <= 1.1x stock"))
+    assert "paired alone with stock" in bar["detail"]
