@@ -582,7 +582,12 @@ class Result:
         """Median over rounds of ``row``'s time over ``ref``'s in the same round."""
         if ref is None or not row.samples_s or len(row.samples_s) != len(ref.samples_s):
             return None
-        return statistics.median(a / b for a, b in zip(row.samples_s, ref.samples_s, strict=True))
+        return _median_ratio(row.samples_s, ref.samples_s)
+
+
+def _median_ratio(samples_s: Sequence[float], ref_samples_s: Sequence[float]) -> float:
+    """Median over rounds of a time over the reference's time in the same round."""
+    return statistics.median(a / b for a, b in zip(samples_s, ref_samples_s, strict=True))
 
 
 def rel_err(out: Any, ref: Any) -> float:
@@ -633,15 +638,12 @@ def measure(case: Case, compiler_options: dict | None = None, *, timed: bool = T
             if timed:
                 times = harness.time_interleaved(compiled, *case.args, repeats=repeats)
                 outputs = {label: t.output for label, t in times.items()}
-                stock_label = case.impls[0].label
-                for label in [p for p in case.paired if p in compiled]:
-                    pair = {k: compiled[k] for k in (stock_label, label) if k in compiled}
-                    if len(pair) == 2:
-                        t = harness.time_interleaved(pair, *case.args, repeats=case.paired_repeats)
-                        a, b = t[stock_label].samples_s, t[label].samples_s
-                        ratios = (y / x for x, y in zip(a, b, strict=True))
-                        result.paired_time[label] = statistics.median(ratios)
-                        result.paired_repeats = case.paired_repeats
+                ref = case.impls[0].label  # the stock row
+                for label in [p for p in case.paired if p in compiled and ref in compiled]:
+                    pair = {k: compiled[k] for k in (ref, label)}
+                    t = harness.time_interleaved(pair, *case.args, repeats=case.paired_repeats)
+                    result.paired_time[label] = _median_ratio(t[label].samples_s, t[ref].samples_s)
+                    result.paired_repeats = case.paired_repeats
             else:
                 outputs = {k: jax.block_until_ready(f(*case.args)) for k, f in compiled.items()}
             outputs = {k: unlayout[k](o) if k in unlayout else o for k, o in outputs.items()}

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 from typing import NamedTuple
 
 import jax
@@ -373,20 +372,11 @@ def _reads_at_index(step_plan, index_out: bool) -> bool:
     forward loop made: a y read back, a kept carry-in or (``index_out``) carry-out, a carry-in
     served from the ys, or a partial activation. Not an xs slice: the xs are an argument, live
     through the program, that lax.scan's backward loop slices the same way."""
+    read = {"ys_read", "kept_carry_in", "carry_in_from_ys", "stacked"}
+    read |= {"kept_carry_out"} if index_out else set()
     used = _jaxprs.used_invars(_jc.open_jaxpr(step_plan.rebuild))
-    groups = [
-        len(step_plan.const_invars) + len(step_plan.hoisted_vars),
-        len(step_plan.x_invars),
-        sum(step_plan.need_y),
-        sum(step_plan.carry_out_read),
-        sum(step_plan.stack_carry),
-        len(step_plan.carry_read_from_y),
-        len(step_plan.stacked_vars),
-    ]
-    assert sum(groups) == len(used), (groups, len(used))
-    start = list(itertools.accumulate([0, *groups]))
-    at_index = [False, False, True, index_out, True, True, True]
-    return any(any(used[start[g] : start[g + 1]]) for g in range(len(groups)) if at_index[g])
+    names = [name for name, n in step_plan.rebuild_inputs for _ in range(n)]
+    return any(u and name in read for name, u in zip(names, used, strict=True))
 
 
 def _forwards_a_carry_cotangent(step_plan, avals, live) -> bool:

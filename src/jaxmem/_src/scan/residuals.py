@@ -315,6 +315,20 @@ class StepPlan:
         return self.traced.res_treedef
 
     @property
+    def rebuild_inputs(self) -> tuple[tuple[str, int], ...]:
+        """The input groups of :attr:`rebuild`, in order: ``(name, number of inputs)``."""
+        return (
+            ("consts", len(self.const_invars)),
+            ("hoisted", len(self.hoisted_vars)),
+            ("x", len(self.x_invars)),
+            ("ys_read", sum(self.need_y)),
+            ("kept_carry_out", sum(self.carry_out_read)),
+            ("kept_carry_in", sum(self.stack_carry)),
+            ("carry_in_from_ys", len(self.carry_read_from_y)),
+            ("stacked", len(self.stacked_vars)),
+        )
+
+    @property
     def carry_read_from_y(self) -> tuple[tuple[int, int], ...]:
         """``(carry leaf, index among the ys read)`` for carry-ins read from the ys sequence."""
         ys_read = [i for i, n in enumerate(self.need_y) if n]
