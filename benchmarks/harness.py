@@ -8,8 +8,8 @@ What is measured follows docs/design.md §3:
   (:attr:`jaxmem.MemoryReport.residual_bytes`), split by origin so that the residuals that are
   simply the arguments can be told apart from the ones the loop stacks;
 - time (optional): forward + backward of the jitted gradient on concrete arguments, same process,
-  warm (compiled and run once first), runs interleaved stock / variant / stock / variant ...,
-  min and median of ``repeats`` runs.
+  warm (compiled and run once first), in rounds of stock / variant / ..., each timed run right
+  after an untimed run of the same function; min and median of ``repeats`` runs.
 
 Every variant figure is also given as a ratio to the stock figure of the same run.
 
@@ -83,18 +83,28 @@ class Timing:
 
 
 def time_interleaved(
-    fns: Mapping[str, Callable[..., Any]], *args: Any, repeats: int = MIN_REPEATS
+    fns: Mapping[str, Callable[..., Any]],
+    *args: Any,
+    repeats: int = MIN_REPEATS,
+    settle: int = 1,
 ) -> dict[str, Timing]:
-    """Times functions on the same arguments: warm, interleaved, min and median of ``repeats``.
+    """Times functions on the same arguments: warm, in interleaved rounds, min and median.
 
     docs/design.md §3: same process; each function is first run once (compiling it if it is
-    a ``jax.jit`` function; its result is kept), then the timed runs go A B C A B C ..., each
-    waited for with :func:`jax.block_until_ready`.
+    a ``jax.jit`` function; its result is kept), then ``repeats`` rounds A B C, A B C, ...,
+    each run waited for with :func:`jax.block_until_ready`. In a round each function runs
+    ``settle`` times untimed and then once timed, so that a timed run follows a run of the
+    same function, as in a training loop. A run leaves work behind it after its result is
+    ready (on CPU, returning a large temp buffer's pages: after the naive cross-entropy's
+    1 GiB, the next run took 0.08-0.1 s longer, an effect gone after 0.2 s); timed right after
+    another function, a run would pay for that function's tail and not for its own.
 
     Args:
       fns: Label -> function of ``*args`` (jitted or compiled).
       *args: The arguments of every function.
       repeats: Timed runs per function.
+      settle: Untimed runs of a function right before each of its timed runs (0: plain
+        A B A B, each timed run right after the other functions' runs).
 
     Returns:
       Label -> its timing, in the order of ``fns``.
@@ -105,10 +115,14 @@ def time_interleaved(
       >>> list(t), len(t["a"].samples_s), float(t["b"].output[0])
       (['a', 'b'], 3, 1.0)
     """
+    if repeats < 1 or settle < 0:
+        raise ValueError(f"time_interleaved: repeats >= 1 and settle >= 0, got {repeats}, {settle}")
     outputs = {label: jax.block_until_ready(fn(*args)) for label, fn in fns.items()}  # warm-up
     samples: dict[str, list[float]] = {label: [] for label in fns}
     for _ in range(repeats):
         for label, fn in fns.items():
+            for _ in range(settle):
+                jax.block_until_ready(fn(*args))
             start = time.perf_counter()
             jax.block_until_ready(fn(*args))
             samples[label].append(time.perf_counter() - start)
@@ -222,7 +236,7 @@ def measure_times(
     Args:
       case: The benchmark case.
       impls: Label -> scan implementation; all are timed in the same process.
-      repeats: Timed runs per implementation, interleaved A B A B ...
+      repeats: Timed runs per implementation, in interleaved rounds (:func:`time_interleaved`).
 
     Returns:
       Label -> (min seconds, median seconds, gradients of the warm-up run).

@@ -230,9 +230,9 @@ class Case:
       repeats: timed rounds.
       skipped: why the whole case is skipped (its library not installed), else None.
       paired: rows timed again, each alone with the stock row (``paired_repeats`` rounds), for
-        a time bar: interleaved with many other rows, a memory-bound stock row runs slower
-        (the naive cross-entropy, 1.3 s alone, took 2.0 s among the twelve peer rows on 2
-        CPU cores), which would flatter every row's ratio to it.
+        a time bar: its ratio then depends on those two functions only, not on the case's
+        other rows (timed plain A B A B among the twelve peer rows, the memory-bound naive
+        cross-entropy ran at 2.0 s against 1.3 s alone, on 2 CPU cores).
       paired_repeats: timed rounds of each pair.
     """
 

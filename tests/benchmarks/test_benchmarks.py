@@ -1,6 +1,7 @@
 """Tests of the benchmark harness (``python -m benchmarks.run``) and its cases."""
 
 import json
+import time
 
 import jax
 import pytest
@@ -167,8 +168,34 @@ def test_timing_is_warm_and_interleaved():
         return f
 
     times = harness.time_interleaved({"a": fn("a"), "b": fn("b")}, 1.0, repeats=7)
-    assert calls == ["a", "b"] + ["a", "b"] * 7  # one warm-up run each, then A B A B ...
+    # One warm-up run each, then rounds in which each timed run follows a run of itself.
+    assert calls == ["a", "b"] + ["a", "a", "b", "b"] * 7
     assert list(times) == ["a", "b"]
     for t in times.values():
         assert len(t.samples_s) == 7 and t.output == 1.0
         assert t.min_s == min(t.samples_s) <= t.median_s <= max(t.samples_s)
+    calls.clear()
+    harness.time_interleaved({"a": fn("a"), "b": fn("b")}, 1.0, repeats=2, settle=0)
+    assert calls == ["a", "b"] + ["a", "b"] * 2
+
+
+def test_a_timed_run_does_not_pay_for_the_run_before_it():
+    # One function leaves work behind it (a tail that the next run, of any function, waits
+    # for); each timed run follows a run of itself, so the tail is charged to its maker.
+    pending = [0.0]
+
+    def wait_then_leave(seconds):
+        def f(x):
+            time.sleep(pending[0])
+            pending[0] = seconds
+            return x
+
+        return f
+
+    fns = {"tail": wait_then_leave(0.05), "quick": wait_then_leave(0.0)}
+    times = harness.time_interleaved(fns, 1.0, repeats=3)
+    assert max(times["quick"].samples_s) < 0.04 and min(times["tail"].samples_s) >= 0.05
+    plain = harness.time_interleaved(fns, 1.0, repeats=3, settle=0)
+    assert min(plain["quick"].samples_s) >= 0.05  # A B A B: quick would pay for tail's
+    with pytest.raises(ValueError, match="settle"):
+        harness.time_interleaved(fns, 1.0, settle=-1)
