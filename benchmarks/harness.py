@@ -95,9 +95,10 @@ def time_interleaved(
     each run waited for with :func:`jax.block_until_ready`. In a round each function runs
     ``settle`` times untimed and then once timed, so that a timed run follows a run of the
     same function, as in a training loop. A run leaves work behind it after its result is
-    ready (on CPU, returning a large temp buffer's pages: after the naive cross-entropy's
-    1 GiB, the next run took 0.08-0.1 s longer, an effect gone after 0.2 s); timed right after
-    another function, a run would pay for that function's tail and not for its own.
+    ready (on CPU, most likely a large temp buffer's pages going back: after the naive
+    cross-entropy's 1 GiB, the next run took 0.08-0.1 s longer, an effect gone after 0.2 s);
+    timed right after another function, a run would pay for that function's tail and not for
+    its own.
 
     Args:
       fns: Label -> function of ``*args`` (jitted or compiled).
