@@ -159,14 +159,21 @@ def forwarded_inputs(jaxpr) -> list:
     return [origin.get(v) if _is_var(v) else None for v in jaxpr.outvars]
 
 
-def needed_eqns(eqns, targets, available) -> list:
-    """The equations (in order) that compute ``targets`` from the variables in ``available``."""
+def needed_eqns(eqns, targets, available, effects: bool = False) -> list:
+    """The equations (in order) that compute ``targets`` from the variables in ``available``;
+    with ``effects``, also every equation with effects (``jax.debug.print``, callbacks) and what
+    it reads, so that a loop running the result runs each effect once a step."""
     producer = {}
     for i, eqn in enumerate(eqns):
         for v in eqn.outvars:
             producer[v] = i
     needed: set[int] = set()
     stack = [v for v in targets if _is_var(v)]
+    if effects:
+        for i, eqn in enumerate(eqns):
+            if eqn.effects:
+                needed.add(i)
+                stack.extend(u for u in eqn.invars if _is_var(u))
     seen = set()
     while stack:
         v = stack.pop()
@@ -182,10 +189,11 @@ def needed_eqns(eqns, targets, available) -> list:
     return [eqns[i] for i in sorted(needed)]
 
 
-def sub_jaxpr(jaxpr, consts, invars, outvars):
+def sub_jaxpr(jaxpr, consts, invars, outvars, effects: bool = False):
     """The closed jaxpr computing ``outvars`` from ``invars`` (and ``jaxpr``'s constvars, bound
-    to ``consts``): the equations of ``jaxpr`` they need, in order."""
-    eqns = needed_eqns(jaxpr.eqns, outvars, set(invars) | set(jaxpr.constvars))
+    to ``consts``): the equations of ``jaxpr`` they need, in order; with ``effects``, every
+    equation with effects too (:func:`needed_eqns`)."""
+    eqns = needed_eqns(jaxpr.eqns, outvars, set(invars) | set(jaxpr.constvars), effects)
     sub = jc.make_jaxpr(jaxpr, invars=list(invars), outvars=list(outvars), eqns=eqns)
     return jc.closed_jaxpr(sub, consts)
 

@@ -113,6 +113,9 @@ class JaxmemScan(_jc.HiPrimitive):
         ys = tuple(_jc.stacked(a, rules.length) for a in out[n_carry:])
         # The final carry has the carry's types (shardings included), the ys the step's.
         self.out_aval = (self.in_avals[1], ys)
+        # The step's effects (jax.debug.print, callbacks): the loop is kept where its outputs
+        # are unused, as lax.scan is, and ordered effects are ordered with the program's.
+        self.effects = frozenset(rules.body.jaxpr.effects)
         self.params = dict(
             length=rules.length,
             reverse=bool(rules.reverse),

@@ -387,9 +387,12 @@ def _distinct_invars(groups: Sequence[Sequence]) -> list:
     return out
 
 
-def _sub_jaxpr(traced: TracedStep, in_groups: Sequence[Sequence], outs: Sequence):
-    """The closed jaxpr computing ``outs`` from the variables of ``in_groups`` (and J's consts)."""
-    return sub_jaxpr(traced.jaxpr, traced.consts, _distinct_invars(in_groups), outs)
+def _sub_jaxpr(
+    traced: TracedStep, in_groups: Sequence[Sequence], outs: Sequence, effects: bool = False
+):
+    """The closed jaxpr computing ``outs`` from the variables of ``in_groups`` (and J's consts);
+    with ``effects``, the step's equations with effects too."""
+    return sub_jaxpr(traced.jaxpr, traced.consts, _distinct_invars(in_groups), outs, effects)
 
 
 def build_jaxprs(
@@ -401,6 +404,7 @@ def build_jaxprs(
         traced,
         [traced.const_in, hoisted, traced.carry_in, traced.x_in],
         [*traced.carry_out, *traced.y_out, *stacked],
+        effects=True,  # each effect of the step runs once a step, in the forward loop
     )
     rebuild = _sub_jaxpr(
         traced,
