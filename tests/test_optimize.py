@@ -334,3 +334,158 @@ def test_chunk_loss_runs_autochunk_on_the_tail():
     plain = temp(jax.grad(jaxmem.optimize(loss), (0, 1)), *args)
     chunked = temp(jax.grad(opt, (0, 1)), *args)
     assert chunked < 0.5 * plain, (chunked, plain)
+
+
+# ------------------------------------------------------------------------------------------
+# Scans JAX itself built: the forward and transposed loops of a differentiated scan (read from
+# every form of lax.scan's parameters), run and equal to the function's own values.
+
+
+def _sgd_step(loss):
+    """A train step as users jit it: value_and_grad inside, then an update."""
+
+    def train_step(w, xs, h0):
+        value, g = jax.value_and_grad(loss)(w, xs, h0)
+        return w - 0.1 * g, value
+
+    return train_step
+
+
+def _jax_built(name):
+    loss = rnn(jax.lax.scan)
+    return {
+        "train_step": _sgd_step(loss),
+        "grad": jax.grad(loss, argnums=(0, 1, 2)),
+        "value_and_grad": jax.value_and_grad(loss),
+        "vjp": lambda w, xs, h0: jax.vjp(lambda w: loss(w, xs, h0), w)[1](jnp.float32(1)),
+        "linearize": lambda w, xs, h0: jax.linearize(lambda w: loss(w, xs, h0), w)[1](U),
+        "linear_transpose": lambda w, xs, h0: jax.linear_transpose(
+            lambda x: jax.lax.scan(lambda c, x: (c @ w + x,) * 2, h0 * 0, x)[1], xs
+        )(xs),
+        "jvp": lambda w, xs, h0: jax.jvp(lambda w: loss(w, xs, h0), (w,), (U,)),
+        "vmap_grad": lambda w, xs, h0: jax.vmap(jax.grad(loss), (None, None, 0))(
+            w, xs, jnp.stack([h0, -h0])
+        ),
+        "grad_of_checkpoint": jax.grad(jax.checkpoint(loss)),
+        "hessian_vector": lambda w, xs, h0: jax.jvp(
+            jax.grad(lambda w: loss(w, xs, h0)), (w,), (U,)
+        ),
+    }[name]
+
+
+JAX_BUILT = [
+    "train_step",
+    "grad",
+    "value_and_grad",
+    "vjp",
+    "linearize",
+    "linear_transpose",
+    "jvp",
+    "vmap_grad",
+    "grad_of_checkpoint",
+    "hessian_vector",
+]
+
+
+@pytest.mark.parametrize("remat3", [False, True], ids=["remat2", "remat3"])
+@pytest.mark.parametrize("name", JAX_BUILT)
+def test_optimize_runs_scans_jax_built(name, remat3):
+    before = jax.config.jax_remat3
+    jax.config.update("jax_remat3", remat3)
+    try:
+        fn = _jax_built(name)
+        opt = jaxmem.optimize(fn)
+        want = fn(W, XS, H0)
+        close(opt(W, XS, H0), want)
+        close(jax.jit(opt)(W, XS, H0), want)
+        report = opt.explain(W, XS, H0)
+        assert report.scans and all(s.rewritten for s in report.scans), str(report)
+    finally:
+        jax.config.update("jax_remat3", before)
+
+
+def test_scan_counts_read_every_form():
+    """``(num_consts, num_carry)`` of each scan JAX builds: the body's inputs in that order,
+    consistent with the equation's operands and the body's carry outputs."""
+    from jaxmem._src import jax_compat as jc
+
+    jaxprs = [jax.make_jaxpr(_jax_built(n))(W, XS, H0) for n in JAX_BUILT]
+    scans = [e for j in jaxprs for e in _all_eqns(j.jaxpr) if e.primitive.name == "scan"]
+    assert len(scans) >= len(JAX_BUILT) + 5
+    for eqn in scans:
+        n_consts, n_carry = jc.scan_counts(eqn)
+        body = jc.open_jaxpr(eqn.params["jaxpr"])
+        assert len(body.invars) == len(eqn.invars) >= n_consts + n_carry
+        carry_in = [v.aval for v in body.invars[n_consts : n_consts + n_carry]]
+        carry_out = [v.aval for v in body.outvars[:n_carry]]
+        assert [a.shape for a in carry_in] == [a.shape for a in carry_out]
+        assert [e.aval.shape for e in eqn.outvars[:n_carry]] == [a.shape for a in carry_in]
+
+
+def _all_eqns(jaxpr):
+    from jaxmem._src import jax_compat as jc
+
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jc.subjaxprs(eqn):
+            yield from _all_eqns(sub)
+
+
+# ------------------------------------------------------------------------------------------
+# Drop-in: what a function returns besides arrays passes through; jax.lax.scan = jaxmem.scan.
+
+
+def test_non_array_outputs_pass_through():
+    loss = rnn(jax.lax.scan)
+    tagged = lambda w, xs, h0: (loss(w, xs, h0), "tag", 3, {"n": 2.5, "b": True})
+    out = jaxmem.optimize(tagged)(W, XS, H0)
+    assert out[1:] == ("tag", 3, {"n": 2.5, "b": True})
+    assert type(out[2]) is int and type(out[3]["n"]) is float
+    close(out[0], loss(W, XS, H0))
+    g, aux = jax.grad(jaxmem.optimize(lambda w: (loss(w, XS, H0), "aux")), has_aux=True)(W)
+    assert aux == "aux"
+    close(g, jax.grad(loss)(W, XS, H0))
+
+
+def _runs_jaxmem_scan(f, *args) -> bool:
+    """Whether ``f`` stages a ``jaxmem_scan`` (printed by name on 0.12, as its class on 0.10.2)."""
+    jaxpr = str(jax.make_jaxpr(f)(*args))
+    return "jaxmem_scan" in jaxpr or "JaxmemScan" in jaxpr
+
+
+@pytest.fixture
+def lax_scan_is_jaxmem_scan():
+    original = jax.lax.scan
+    jax.lax.scan = jaxmem.scan
+    yield original
+    jax.lax.scan = original
+
+
+def test_lax_scan_swapped_for_jaxmem_scan_plain_loop(lax_scan_is_jaxmem_scan):
+    stock = rnn(lax_scan_is_jaxmem_scan)
+    swapped = rnn(lambda *a, **k: jax.lax.scan(*a, **k))
+    close(jax.grad(swapped, (0, 1, 2))(W, XS, H0), jax.grad(stock, (0, 1, 2))(W, XS, H0))
+    assert _runs_jaxmem_scan(swapped, W, XS, H0)
+    close(jax.jit(jax.grad(jaxmem.optimize(swapped)))(W, XS, H0), jax.grad(stock)(W, XS, H0))
+
+
+def test_lax_scan_swapped_for_jaxmem_scan_flax_linen(lax_scan_is_jaxmem_scan):
+    nn = pytest.importorskip("flax.linen")
+
+    class Cell(nn.Module):
+        @nn.compact
+        def __call__(self, h, x):
+            h = jnp.tanh(nn.Dense(D)(h) + x)
+            return h, jnp.sin(h)
+
+    model = nn.scan(Cell, variable_broadcast="params", split_rngs={"params": False})()
+    params = model.init(jax.random.key(0), H0, XS)
+
+    def loss(params):
+        h, ys = model.apply(params, H0, XS)
+        return jnp.sum(h**2) + jnp.sum(ys)
+
+    swapped = jax.grad(loss)(params)
+    assert _runs_jaxmem_scan(loss, params)
+    jax.lax.scan = lax_scan_is_jaxmem_scan
+    close(swapped, jax.grad(loss)(params))

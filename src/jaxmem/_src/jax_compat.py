@@ -43,6 +43,19 @@ CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call", "eval_ja
 LOOP_PRIMITIVES = frozenset({"scan", "while"})
 
 
+def _lax_scan():
+    from jax._src.lax.control_flow import loops
+
+    return loops.scan
+
+
+# ``jax.lax.scan`` as JAX defines it, for every loop jaxmem runs. Users swap a library's loops
+# with ``jax.lax.scan = jaxmem.scan``; a loop of jaxmem's called through the public name would
+# then call jaxmem.scan again, without end. Private: ``jax._src.lax.control_flow.loops.scan``
+# (the function ``jax.lax.scan`` re-exports, 0.10.2 and 0.12).
+lax_scan = _lax_scan()
+
+
 def without_source_traceback():
     """Context in which the equations traced carry an empty traceback (no source location).
 
@@ -144,6 +157,23 @@ def subjaxprs(eqn) -> list:
             if is_jaxpr(sub):
                 out.append(open_jaxpr(sub) if is_closed_jaxpr(sub) else sub)
     return out
+
+
+def remat3_params(eqn):
+    """``(jaxpr, policy, prevent_cse)`` of a ``jax.checkpoint`` staged under ``jax_remat3``, else
+    None.
+
+    With ``jax_remat3`` on (0.10.2 and 0.12), ``jax.checkpoint`` stages a hijax primitive,
+    ``call_hi_primitive[_prim=RematTraced]``, in place of ``remat2``; its ``jaxpr`` is the
+    function checkpointed, ``prevent_cse`` a bool or one per input. Private:
+    ``jax._src.ad_checkpoint.RematTraced`` (read by its class name and attributes).
+    """
+    if eqn.primitive.name != "call_hi_primitive":
+        return None
+    prim = eqn.params.get("_prim")
+    if type(prim).__name__ != "RematTraced":
+        return None
+    return prim.jaxpr, prim.policy, prim.prevent_cse
 
 
 def eqn_checkpoint_name(eqn) -> str | None:
@@ -332,12 +362,15 @@ def scan_counts(eqn) -> tuple[int, int]:
     """``(num_consts, num_carry)`` of a ``scan`` equation.
 
     0.10: the ``num_consts`` and ``num_carry`` parameters. 0.12: the ``ft_in`` parameter, a
-    flat tree of the body's inputs grouped as ``(consts, carry, xs)``.
+    flat tree of the body's inputs grouped as ``(consts, carry, xs)``: a tuple of three trees
+    where the user called ``lax.scan``, a pytree of three subtrees in the scans JAX builds (a
+    transpose groups its consts as ``(residuals, cotangents)``), filtered where partial
+    evaluation or DCE dropped inputs. ``FlatTree.unpack`` reads every form.
     """
     params = eqn.params
     if "num_consts" in params:
         return params["num_consts"], params["num_carry"]
-    consts, carry, _ = params["ft_in"].elts
+    consts, carry, _ = params["ft_in"].unpack()
     return len(list(consts.vals)), len(list(carry.vals))
 
 

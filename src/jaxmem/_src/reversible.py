@@ -43,7 +43,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.tree_util import tree_flatten, tree_map, tree_structure, tree_unflatten
 
 from jaxmem._src import checks
@@ -395,19 +394,19 @@ def _make_run(
             return layer(s, *x, cd, cf), None
 
         if k is None:
-            s, _ = lax.scan(body, s, (p_d, p_f), length=n_layers, unroll=unroll)
+            s, _ = _jc.lax_scan(body, s, (p_d, p_f), length=n_layers, unroll=unroll)
             return s, None
         r = n_layers % k
         q = n_layers // k
         head = tree_map(lambda a: a[:r], (p_d, p_f))
         tail = tree_map(lambda a: a[r:].reshape((q, k) + a.shape[1:]), (p_d, p_f))
         if r:
-            s, _ = lax.scan(body, s, head, unroll=unroll)
+            s, _ = _jc.lax_scan(body, s, head, unroll=unroll)
 
         encs = encodings(s)
 
         def segment(s, x):
-            out, _ = lax.scan(body, s, x, unroll=unroll)
+            out, _ = _jc.lax_scan(body, s, x, unroll=unroll)
             if not keep:
                 return out, None
             kept = [
@@ -416,7 +415,7 @@ def _make_run(
             ]
             return out, kept
 
-        s, anchors = lax.scan(segment, s, tail)
+        s, anchors = _jc.lax_scan(segment, s, tail)
         return s, anchors
 
     def back_layer(carry, x, cd, cf):
@@ -454,7 +453,7 @@ def _make_run(
             return back_layer(carry, x, cd, cf)
 
         if k is None:
-            (s, ds, dcd), dp = lax.scan(
+            (s, ds, dcd), dp = _jc.lax_scan(
                 body, (s, ds, dcd), (p_d, p_f), length=n_layers, reverse=True, unroll=unroll
             )
             return ds, dp, dcd
@@ -467,17 +466,19 @@ def _make_run(
 
         def segment(carry, x):
             kept, p = x
-            (_, ds, dcd), dp = lax.scan(body, carry, p, reverse=True, unroll=unroll)
+            (_, ds, dcd), dp = _jc.lax_scan(body, carry, p, reverse=True, unroll=unroll)
             anchor = [
                 [_compress.decode(v, e) for v, e in zip(vs, es, strict=True)]
                 for vs, es in zip(kept, encs, strict=True)
             ]
             return (anchor, ds, dcd), dp  # restart from the kept inputs of the segment
 
-        (s, ds, dcd), dp_tail = lax.scan(segment, (s, ds, dcd), (anchors, tail), reverse=True)
+        (s, ds, dcd), dp_tail = _jc.lax_scan(segment, (s, ds, dcd), (anchors, tail), reverse=True)
         dp_tail = [v.reshape((q * k,) + v.shape[2:]) for v in dp_tail]
         if r:
-            (s, ds, dcd), dp_head = lax.scan(body, (s, ds, dcd), head, reverse=True, unroll=unroll)
+            (s, ds, dcd), dp_head = _jc.lax_scan(
+                body, (s, ds, dcd), head, reverse=True, unroll=unroll
+            )
             dp_tail = [jnp.concatenate([a, b]) for a, b in zip(dp_head, dp_tail, strict=True)]
         return ds, dp_tail, dcd
 

@@ -105,30 +105,37 @@ class Optimized:
         functools.update_wrapper(self, fn)
 
     def _traced(self, args, kwargs):
-        """The function's jaxpr at these arguments (static: every leaf that is not an array)."""
+        """The function's jaxpr at these arguments (static: every leaf that is not an array),
+        and its outputs: the tree, and the leaves that are not JAX arrays (a string tag, a Python
+        number: returned as they are, as the function returns them)."""
         leaves, tree = jax.tree.flatten((args, kwargs))
         dynamic = [_is_array(x) for x in leaves]
-        out_tree = []
+        outputs = []
 
         def flat(*arrays):
             it = iter(arrays)
             full = [next(it) if d else x for x, d in zip(leaves, dynamic, strict=True)]
             a, k = jax.tree.unflatten(tree, full)
             out, t = jax.tree.flatten(self._fn(*a, **k))
-            out_tree.append(t)
-            return out
+            static = {i: x for i, x in enumerate(out) if not _is_traced_output(x)}
+            outputs.append((t, static))
+            return [x for i, x in enumerate(out) if i not in static]
 
         arrays = [x for x, d in zip(leaves, dynamic, strict=True) if d]
         closed = jax.make_jaxpr(flat)(*arrays)
-        return closed, arrays, out_tree[-1]
+        return closed, arrays, outputs[-1]
 
     def __call__(self, *args, **kwargs):
         rewriter = _rw.Rewriter(self._options)
-        closed, arrays, out_tree = self._traced(args, kwargs)
+        closed, arrays, (out_tree, static) = self._traced(args, kwargs)
         run = lambda *a: rewriter.eval_closed(closed, a)
         if self._chunk_loss:
             run = _autochunk.autochunk(run)
-        return jax.tree.unflatten(out_tree, run(*arrays))
+        computed = iter(run(*arrays))
+        n = out_tree.num_leaves
+        return jax.tree.unflatten(
+            out_tree, [static[i] if i in static else next(computed) for i in range(n)]
+        )
 
     def explain(self, *args, **kwargs) -> Explanation:
         """Each scan of the function at these arguments: rewritten (with the bytes its gradient
@@ -165,6 +172,12 @@ class Optimized:
 
 def _plan_options(options: dict) -> dict:
     return {k: v for k, v in options.items() if k in ("recompute", "policy", "offload", "compress")}
+
+
+def _is_traced_output(x) -> bool:
+    """An output leaf the function computed with JAX (an array or a tracer); any other leaf (a
+    string, a Python number, a NumPy array) depends on no argument and passes through."""
+    return isinstance(x, (jax.Array, _jc.Tracer))
 
 
 def _is_array(x) -> bool:

@@ -2,10 +2,11 @@
 ``scan`` run as :func:`jaxmem.scan`.
 
 The evaluator walks into the equations that hold a jaxpr a scan may sit in and re-emits them
-with the same meaning: a call (``jit``) is inlined, ``jax.checkpoint`` (``remat2``) is applied
-again with its ``policy`` and ``prevent_cse``, ``cond`` becomes ``lax.switch`` over its branches,
-``shard_map`` is applied again with its mesh and specs. Everything else is bound as it is: a
-``custom_vjp`` function (the user's own gradient), a ``custom_jvp`` function, a ``while`` loop.
+with the same meaning: a call (``jit``) is inlined, ``jax.checkpoint`` (``remat2``, or the hijax
+primitive of ``jax_remat3``) is applied again with its ``policy`` and ``prevent_cse``, ``cond``
+becomes ``lax.switch`` over its branches, ``shard_map`` is applied again with its mesh and
+specs. Everything else is bound as it is: a ``custom_vjp`` function (the user's own gradient), a
+``custom_jvp`` function, a ``while`` loop.
 """
 
 from __future__ import annotations
@@ -74,12 +75,16 @@ class Rewriter:
         if name in _jc.CALL_PRIMITIVES:
             body = next(p for p in params.values() if _jc.is_jaxpr(p))
             return self._sub(body)(*invals)
-        if name == "remat2":
-            f = jax.checkpoint(
-                self._sub(params["jaxpr"]),
-                prevent_cse=params["prevent_cse"],
-                policy=params["policy"],
+        remat3 = _jc.remat3_params(eqn)
+        if name == "remat2" or remat3 is not None:
+            jaxpr, policy, prevent_cse = remat3 or (
+                params["jaxpr"],
+                params["policy"],
+                params["prevent_cse"],
             )
+            # jax.checkpoint takes one prevent_cse; remat3 may stage one per input (any: kept).
+            prevent_cse = prevent_cse if isinstance(prevent_cse, bool) else any(prevent_cse)
+            f = jax.checkpoint(self._sub(jaxpr), prevent_cse=prevent_cse, policy=policy)
             return list(f(*invals))
         if name == "cond":
             index, *ops = invals
@@ -150,7 +155,7 @@ def left_alone(jaxpr) -> list[tuple[str, str]]:
     out = []
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
-        if name in _ENTERED:
+        if name in _ENTERED or _jc.remat3_params(eqn) is not None:
             for sub in _jc.subjaxprs(eqn):
                 out += left_alone(sub)
             continue

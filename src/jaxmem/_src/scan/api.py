@@ -142,6 +142,7 @@ def scan(
     length: int | None = None,
     reverse: bool = False,
     unroll: int | bool = 1,
+    _split_transpose: bool = False,
     *,
     recompute: str = "auto",
     policy: Callable | str | None = None,
@@ -166,6 +167,10 @@ def scan(
       reverse: scan from the end of ``xs`` to the start (outputs stay in ``xs`` order).
       unroll: loop unrolling, an int or a bool, passed to :func:`jax.lax.scan` (forward and
         backward loops).
+      _split_transpose: accepted as :func:`jax.lax.scan` accepts it (Flax passes it), so that
+        ``jax.lax.scan = jaxmem.scan`` runs a library's loops. It splits the transpose of
+        ``lax.scan``'s own VJP, which jaxmem does not run: ``True`` warns and changes nothing
+        (the values are the same either way).
       recompute: which residuals the backward step recomputes from the values it has, instead
         of stacking them. ``"cheap"``: every cheap function (elementwise, convert, transpose,
         reshape, broadcast, slice, select, ordering compare; never an exact float comparison,
@@ -258,6 +263,7 @@ def scan(
       True
     """
     fname = "jaxmem.scan"
+    _opts.check_split_transpose(_split_transpose, fname)
     opts = _opts.ScanOptions.create(
         fname,
         policy=policy,

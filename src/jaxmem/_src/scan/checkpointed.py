@@ -124,7 +124,7 @@ class _CheckpointedScan:
             carry, y = self.body(consts, carry, self._x_at(xs, p))
             return (carry, bufs, [_put(s, v, j) for s, v in zip(ys, y, strict=True)]), None
 
-        (carry, bufs, ys), _ = jax.lax.scan(
+        (carry, bufs, ys), _ = _jc.lax_scan(
             sweep,
             (list(init), bufs, ys),
             jnp.arange(length - 1, dtype=jnp.int32),
@@ -230,7 +230,7 @@ class _CheckpointedScan:
             ct_xs = [_put(s, d, j) for s, d in zip(ct_xs, d_x, strict=True)]
             return (ct_carry, acc, ct_xs, bufs), None
 
-        (ct_init, ct_consts, ct_xs, _), _ = jax.lax.scan(
+        (ct_init, ct_consts, ct_xs, _), _ = _jc.lax_scan(
             back,
             (ct_carry, d_consts, ct_xs, bufs),
             jnp.arange(length - 1, dtype=jnp.int32),

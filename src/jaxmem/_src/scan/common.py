@@ -166,7 +166,7 @@ def _loop_unroll(length: int, unroll):
 def _scan_loop(f, init, xs, length: int, reverse: bool, unroll):
     """``jax.lax.scan`` with the unroll of :func:`_loop_unroll` (no remainder steps)."""
     unroll = _loop_unroll(length, unroll)
-    return jax.lax.scan(f, init, xs, length=length, reverse=reverse, unroll=unroll)
+    return _jc.lax_scan(f, init, xs, length=length, reverse=reverse, unroll=unroll)
 
 
 def _primal_scan(vjp, consts, init, xs):
@@ -176,4 +176,4 @@ def _primal_scan(vjp, consts, init, xs):
         _tick(0)
         return vjp.body(consts, c, x)
 
-    return jax.lax.scan(step, init, xs, length=vjp.length, reverse=vjp.reverse, unroll=vjp.unroll)
+    return _jc.lax_scan(step, init, xs, length=vjp.length, reverse=vjp.reverse, unroll=vjp.unroll)

@@ -87,7 +87,7 @@ def predraw(closed, traced_consts: list, n_carry: int, xs_leaves: list, length: 
         drawn = jc.jaxpr_as_fun(draw)(*traced_consts, *x)
         return None, [jnp.packbits(m, axis=-1) for m in drawn]
 
-    _, bits = jax.lax.scan(draw_step, None, list(xs_leaves), length=length)
+    _, bits = jc.lax_scan(draw_step, None, list(xs_leaves), length=length)
 
     n_in = len(jaxpr.invars)
 

@@ -4,6 +4,7 @@ name, and the checks it is made of (also used where an entry point checks an opt
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import jax
@@ -133,6 +134,20 @@ def infer_length(xs_paths, xs_leaves, length, fname: str) -> int:
         listed = ", ".join(f"xs{keystr(p)} has {n}" for p, n in sizes)
         raise ValueError(f"{fname} got inconsistent leading-axis sizes: {listed}.")
     return sizes[0][1]
+
+
+def check_split_transpose(split, fname: str) -> None:
+    """``lax.scan``'s ``_split_transpose``: a bool; ``True`` warns (jaxmem's backward loop is its
+    own, with nothing to split)."""
+    if not isinstance(split, (bool, np.bool_)):
+        raise TypeError(f"{fname} got _split_transpose={split!r}; expected a bool.")
+    if split:
+        warnings.warn(
+            f"{fname}: _split_transpose=True has no effect: it splits the transpose of "
+            "lax.scan's own VJP, and jaxmem.scan runs a lean backward loop of its own instead "
+            "(the values are the same).",
+            stacklevel=3,
+        )
 
 
 def check_unroll(unroll, fname: str):

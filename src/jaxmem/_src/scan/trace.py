@@ -42,7 +42,7 @@ def _trace_body(
         carry = tree_unflatten(init_tree, carry_leaves)
         x = tree_unflatten(xs_tree, x_leaves)
         out = f(carry, x)
-        if not (isinstance(out, tuple) and len(out) == 2):
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):  # lax.scan takes a list
             raise TypeError(
                 f"{fname} body must return a pair (carry, y), got {checks.describe(out)}."
             )
