@@ -24,7 +24,6 @@ References:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import Any
@@ -34,7 +33,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from jaxmem._src import jax_compat as _jc
@@ -44,16 +42,18 @@ from jaxmem._src.losses.linear_ce_config import (
     _check_float,
     _check_inputs,
     _Config,
+    _shares_tiles,
     default_tiles,
 )
 from jaxmem._src.losses.vocab_split import (
     _combine_shards,
-    _dim_axes,
     _explicit_axes,
     _explicit_sharding,
     _manual_axes,
     _psum_to,
     _resolve_vocab_split,
+    _ShardPlan,
+    _splits_by_sharding,
     _type_spec,
     _vary,
     _vocab_offset,
@@ -230,7 +230,7 @@ def _lce_bwd(cfg, res, cts):
     x, w, b, labels, mask, lse = res
     args = (x, w, labels, mask, lse, *cts, b)
     if cfg.by_sharding:
-        dx, dw, db = _by_sharding(_backward_op, _backward, cfg, *args)
+        dx, dw, db = _by_sharding(1, _backward, cfg, *args)
     else:
         dx, dw, db = _backward(cfg, *args)
     return dx, dw, db, None, None
@@ -238,7 +238,7 @@ def _lce_bwd(cfg, res, cts):
 
 def _run_forward(cfg: _Config, x, w, b, labels, mask):
     if cfg.by_sharding:
-        return _by_sharding(_forward_op, _forward_ops_order, cfg, x, w, labels, mask, b)
+        return _by_sharding(0, _forward_ops_order, cfg, x, w, labels, mask, b)
     return _forward(cfg, x, w, b, labels, mask)
 
 
@@ -354,73 +354,15 @@ def _bwd_rows(cfg, x, w, b, labels, mask, lse, g_loss, g_lse, dw, db, dx_rows=No
     return lax.fori_loop(0, num_chunks, body, init)
 
 
-# --- the split read from the operands' shardings (Auto mesh, no vocab_axis) ----------------------
+# --- the split read from the operands' shardings (Auto mesh or none, no vocab_axis) -------------
 #
-# Under an Auto mesh the shardings are not in the types: inside jit nothing tells the traced
-# function how w is laid out. XLA's partitioner knows; jax.experimental.custom_partitioning
-# hands the operands' shardings to a callback when the program is partitioned, and the callback
-# returns the per-shard program. The core's forward and backward passes are two such ops (the
-# custom VJP stays around them): each shard runs the chunked core on its tokens and its slice
-# of the vocabulary, as the vocab_axis path does.
-
-
-def _splits_by_sharding(mesh) -> bool:
-    """An Auto mesh of several devices, outside ``shard_map``: read the split from the shardings."""
-    return (
-        not mesh.empty
-        and math.prod(mesh.shape.values()) > 1
-        and all(kind == AxisType.Auto for kind in mesh.axis_types)
-    )
-
-
-def _sharding_dims(s, ndim: int) -> tuple:
-    """The mesh axes of each dimension of a partition-time operand (none if not a NamedSharding)."""
-    sharding = getattr(s, "sharding", None)
-    if not isinstance(sharding, jax.sharding.NamedSharding):
-        return ((),) * ndim
-    spec = tuple(sharding.spec)
-    return tuple(map(_dim_axes, spec + (None,) * (ndim - len(spec))))
-
-
-@dataclasses.dataclass(frozen=True)
-class _ShardPlan:
-    """The per-shard program of the partitioned core, read from the shardings of x and w.
-
-    ``vocab``: the mesh axes w's V dimension is split over (each shard walks its slice);
-    ``tokens``: the axes x's tokens are split over, less those. Axes that do not divide the
-    dimension are dropped (that operand is then gathered, as XLA would without this op).
-    """
-
-    mesh: Any
-    vocab: tuple[str, ...]
-    tokens: tuple[str, ...]
-
-    @classmethod
-    def read(cls, mesh, x, w) -> _ShardPlan:
-        def fitting(axes, size):
-            return axes if size % math.prod(mesh.shape[a] for a in axes) == 0 else ()
-
-        vocab = fitting(_sharding_dims(w, 2)[1], w.shape[1])
-        tokens = tuple(a for a in _sharding_dims(x, 2)[0] if a not in vocab)
-        return cls(mesh, vocab, fitting(tokens, x.shape[0]))
-
-    def sharding(self, *dims: str):
-        """NamedSharding of dimensions each ``"t"`` (tokens), ``"v"`` (vocabulary) or ``""``."""
-        axes = {"t": self.tokens, "v": self.vocab, "": ()}
-        entries = (
-            None if not axes[d] else axes[d] if len(axes[d]) > 1 else axes[d][0] for d in dims
-        )
-        return jax.sharding.NamedSharding(self.mesh, P(*entries))
-
-    def local(self, cfg: _Config, v_local: int) -> _Config:
-        """The configuration of one shard's core (its slice of V, the vocabulary axes named)."""
-        axis = None if not self.vocab else self.vocab[0] if len(self.vocab) == 1 else self.vocab
-        return cfg._replace(
-            chunk_size=min(cfg.chunk_size, v_local),
-            axis_name=axis,
-            by_sharding=False,
-            sum_dx=bool(self.vocab),
-        )
+# Under an Auto mesh, or with no mesh in context, the shardings are not in the types: inside jit
+# nothing tells the traced function how w is laid out. XLA's partitioner knows;
+# jax.experimental.custom_partitioning hands the operands' shardings (with their mesh) to a
+# callback when the program is partitioned, and the callback returns the per-shard program
+# (vocab_split._ShardPlan reads it). The core's forward and backward passes are two such ops
+# (the custom VJP stays around them): each shard runs the chunked core on its tokens and its
+# slice of the vocabulary, as the vocab_axis path does.
 
 
 def _forward_partition(cfg, mesh, arg_shapes, result_shape):
@@ -485,23 +427,38 @@ def _backward_rule(cfg, mesh, operands, results):
     return f"n d, e v, n, n, n, n, n{bias} -> n d, e v{bias}"
 
 
-def _define_op(call, partition, infer, rule):
-    op = custom_partitioning(call, static_argnums=(0,))
-    op.def_partition(partition=partition, infer_sharding_from_operands=infer, sharding_rule=rule)
+def _define_op(cfg: _Config, call, partition, infer, rule):
+    bind = functools.partial
+    op = custom_partitioning(bind(call, cfg))
+    op.def_partition(
+        partition=bind(partition, cfg),
+        infer_sharding_from_operands=bind(infer, cfg),
+        sharding_rule=bind(rule, cfg),
+    )
     return op
 
 
-_forward_op = _define_op(_forward_ops_order, _forward_partition, _forward_infer, _forward_rule)
-_backward_op = _define_op(_backward, _backward_partition, _backward_infer, _backward_rule)
+@functools.lru_cache(maxsize=256)
+def _partitioned_ops(cfg: _Config) -> tuple:
+    """The core's forward and backward passes with ``cfg``, as custom-partitioned ops.
+
+    ``cfg`` is bound in, not a static argument: with one, jax 0.12's ``custom_partitioning``
+    keeps the traced arguments in a closure that ``jax.check_tracer_leaks`` reports as leaked.
+    """
+    return (
+        _define_op(cfg, _forward_ops_order, _forward_partition, _forward_infer, _forward_rule),
+        _define_op(cfg, _backward, _backward_partition, _backward_infer, _backward_rule),
+    )
 
 
-def _by_sharding(op, plain, cfg: _Config, *args):
-    """``op(cfg, *args)``, partitioned by its operands' shardings; ``plain`` under ``jax.vmap``.
+def _by_sharding(which: int, plain, cfg: _Config, *args):
+    """Op ``which`` of :func:`_partitioned_ops` (0 forward, 1 backward) on ``args``, partitioned
+    by their shardings; ``plain(cfg, *args)`` under ``jax.vmap``.
 
     ``custom_partitioning`` has no batching rule: a batched call runs the core unpartitioned.
     """
     try:
-        return op(cfg, *args)
+        return _partitioned_ops(cfg)[which](*args)
     except NotImplementedError as e:
         if "custom_partitioning" not in str(e):
             raise
@@ -576,15 +533,20 @@ def linear_cross_entropy(
       is read from ``jax.typeof(w).sharding`` when not given. ``x`` must not be sharded over D nor
       its tokens over the vocabulary axis; ``labels`` and ``where`` must be sharded like ``x``'s
       token dimensions (a ValueError says how to reshard otherwise).
-    - Auto mesh (``jax.set_mesh`` of a mesh whose axes are all ``AxisType.Auto``): shardings are
-      not in the types, so without ``vocab_axis`` the split is read from the shardings XLA
-      gives the operands when it partitions the program (the core's forward and backward passes
-      are :func:`jax.experimental.custom_partitioning` ops): each device walks the tokens and
-      the slice of the vocabulary it holds (a ``w`` not sharded over V, e.g. over D, is
-      gathered first; ``dx`` and ``dw`` come back sharded like ``x`` and ``w``). Under
+    - Auto mesh (``jax.set_mesh`` of a mesh whose axes are all ``AxisType.Auto``), or no mesh in
+      context with arrays placed on several devices (``jax.device_put(w, NamedSharding(mesh,
+      P(None, "model")))``, or ``jit``'s ``in_shardings``): shardings are not in the types, so
+      without ``vocab_axis`` the split is read from the shardings XLA gives the operands when
+      it partitions the program (the core's forward and backward passes are
+      :func:`jax.experimental.custom_partitioning` ops): each device walks the tokens and the
+      slice of the vocabulary it holds (a ``w`` not sharded over V, e.g. over D, is gathered
+      first; ``dx`` and ``dw`` come back sharded like ``x`` and ``w``), in its share of the
+      default tiles of the whole problem (:func:`default_tiles`' memory rule; V split over
+      ``k`` devices and tokens over ``m``: ``chunk / k`` columns, a block of ``1 / (k m)`` the
+      elements), so that its scratch is its share of a one-device call's. Under
       :func:`jax.vmap` the core runs unpartitioned (``custom_partitioning`` has no batching
-      rule): pass ``vocab_axis`` there. With ``vocab_axis`` given, tokens keep whatever
-      sharding the compiler gives them over the other axes.
+      rule): pass ``vocab_axis`` there (it needs a mesh in context). With ``vocab_axis`` given,
+      tokens keep whatever sharding the compiler gives them over the other axes.
     - Inside ``jax.shard_map`` over ``vocab_axis`` (``check_vma=True``, the default): ``w`` and
       ``bias`` are this shard's slices; ``x``, ``labels`` and ``where`` must be the same on every
       shard of ``vocab_axis``. ``"mean"`` and ``"sum"`` reduce this shard's tokens only: combine
@@ -619,8 +581,8 @@ def linear_cross_entropy(
         every token, masked or not); it is differentiable too.
       vocab_axis: Name of the mesh axis ``w``'s V dimension is sharded over, for the
         vocabulary-parallel loss (above), or None: inferred from ``w``'s type under an Explicit
-        mesh, from the operands' shardings when XLA partitions the program under an Auto mesh,
-        else no vocabulary split.
+        mesh, from the operands' shardings when XLA partitions the program under an Auto mesh
+        or with no mesh in context, else no vocabulary split.
       token_chunk_size: Tokens per tile (positive int), or None (default): as many as fit one
         f32 ``[token_chunk_size, chunk_size]`` block of :func:`default_tiles`' size (or of
         ``block_bytes``), at least 1. Fewer tokens than that run as one tile. Not with
@@ -692,6 +654,13 @@ got labels[0, 0] = -100, labels[1, 2] = 50. Mark such tokens with ignore_index o
       ...     loss, (dx, dw) = grad(xs, jax.device_put(w, P(None, "model")), ys)
       >>> dw.sharding.spec == P(None, "model"), bool(jnp.allclose(loss, naive, rtol=1e-5))
       (True, True)
+      >>> from jax.sharding import NamedSharding  # no mesh in context: the arrays' shardings
+      >>> xs = jax.device_put(x, NamedSharding(auto, P("data")))
+      >>> ys = jax.device_put(labels, NamedSharding(auto, P("data")))
+      >>> ws = jax.device_put(w, NamedSharding(auto, P(None, "model")))
+      >>> loss, (dx, dw) = grad(xs, ws, ys)
+      >>> dw.sharding.spec == P(None, "model"), bool(jnp.allclose(loss, naive, rtol=1e-5))
+      (True, True)
 
     References:
       Wijmans et al., 2024. "Cut Your Losses in Large-Vocabulary Language Models" (Apple Cut
@@ -756,6 +725,7 @@ got labels[0, 0] = -100, labels[1, 2] = 50. Mark such tokens with ignore_index o
     else:  # a given chunk: as many tokens as make a block of the default tiles' size
         tokens = max(1, default_t * default_c // chunk)
     by_sharding = split is None and _splits_by_sharding(jax.sharding.get_abstract_mesh())
+    shared = by_sharding and _shares_tiles(block_bytes)  # devices share the memory rule's tiles
     cfg = _Config(
         chunk,
         alpha,
@@ -764,6 +734,8 @@ got labels[0, 0] = -100, labels[1, 2] = 50. Mark such tokens with ignore_index o
         token_chunk=tokens,
         by_sharding=by_sharding,
         cpu_tiles=jax.default_backend() == "cpu",
+        shared_chunk=shared and chunk_size is None,
+        shared_block=default_t * default_c if shared and token_chunk_size is None else None,
     )
     loss, lse = _per_token(cfg, split, x2, w, bias, labels1, mask)
     out_of_range = mask & ((labels1 < 0) | (labels1 >= v))

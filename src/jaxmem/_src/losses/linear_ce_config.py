@@ -35,6 +35,9 @@ _MIN_SCRATCH = 4 * 2**20
 _GPU_SIDE = 4096
 
 
+_GPU_BACKENDS = ("gpu", "cuda", "rocm")
+
+
 class _Config(NamedTuple):
     """Static configuration of the custom-VJP core (hashable)."""
 
@@ -47,6 +50,34 @@ class _Config(NamedTuple):
     by_sharding: bool = False  # split as the operands are sharded, read when XLA partitions
     sum_dx: bool = False  # psum dx over axis_name tile by tile (a shard of the partitioned core)
     cpu_tiles: bool = False  # token tiles in XLA:CPU's faster form: dx in place, x transposed
+    # The partitioned core (by_sharding) only: tiles of default_tiles' memory rule for the
+    # whole problem, which the devices share (_shared_tiles).
+    shared_chunk: bool = False  # chunk_size is the rule's: a shard takes chunk / vocab shards
+    shared_block: int | None = None  # the rule's block (tokens x chunk), None: token tile given
+
+
+def _shares_tiles(block_bytes: int | None, backend: str | None = None) -> bool:
+    """Whether :func:`default_tiles` sizes the tiles by memory (the CPU rule), so that devices
+    splitting the problem share them; the GPU rule's tiles are sized for speed, per device."""
+    backend = jax.default_backend() if backend is None else backend
+    return block_bytes is None and backend not in _GPU_BACKENDS
+
+
+def _shared_tiles(cfg: _Config, v_local: int, vocab_shards: int, shards: int) -> tuple:
+    """(chunk, token tile or None) of one device of the partitioned core.
+
+    ``v_local``: its columns of ``w``; ``vocab_shards``: the devices V is split over;
+    ``shards``: the devices the tokens and V are split over together. Each device takes its
+    share of the memory rule's tiles for the whole problem (chunk / vocab_shards columns, a
+    block of 1/shards the elements), so its scratch is its share of the one-device call's; a
+    given tile is kept (the chunk clipped to the shard's columns).
+    """
+    chunk = cfg.chunk_size // vocab_shards if cfg.shared_chunk else cfg.chunk_size
+    chunk = max(1, min(chunk, v_local))
+    tokens = cfg.token_chunk
+    if cfg.shared_block is not None:
+        tokens = max(1, cfg.shared_block // shards // chunk)
+    return chunk, tokens
 
 
 def _pow2_floor(k: int) -> int:
@@ -92,7 +123,9 @@ def default_tiles(
     V=32768: 7.0x the naive loss's time at the CPU rule's 512 x 1024 tiles, 1.8x at 4096 x 4096).
     There the tiles are 4096 x 4096 (each side at most its dimension): a 64 MiB f32 block,
     0.13x the naive loss's temp at that shape. Other backends (TPU) are not measured and take
-    the CPU rule.
+    the CPU rule. Where the loss reads a vocabulary split from the operands' shardings (an Auto
+    mesh, or no mesh in context), each device takes its share of the CPU rule's tiles for the
+    whole problem (:func:`linear_cross_entropy`); the GPU rule's tiles are per device.
 
     Args:
       num_tokens: N, the number of tokens (the product of ``labels.shape``).
@@ -141,7 +174,7 @@ def default_tiles(
         )
     if backend is None:
         backend = jax.default_backend()
-    if block_bytes is None and backend in ("gpu", "cuda", "rocm"):
+    if block_bytes is None and backend in _GPU_BACKENDS:
         return min(num_tokens, _GPU_SIDE), min(vocab_size, _GPU_SIDE)
     if block_bytes is not None:
         elems = max(1, block_bytes // 4)

@@ -1,11 +1,14 @@
 """The vocabulary split of a linear cross-entropy on a mesh: which mesh axes shard the weight's
-vocabulary (inferred from the shardings, or given), checked against the inputs; and the
-collectives that combine per-shard partial results.
+vocabulary (inferred from the shardings, or given), checked against the inputs; the per-shard
+plan of the core partitioned by the shardings XLA gives its operands; and the collectives that
+combine per-shard partial results.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +21,7 @@ from jaxmem._src.losses.linear_ce_config import (
     _CALLER,
     _Config,
     _describe,
+    _shared_tiles,
 )
 
 
@@ -163,6 +167,84 @@ def _resolve_vocab_split(x, w, labels, where, vocab_axis) -> _VocabSplit | None:
         )
     _check_explicit_shardings(vocab_axis, mesh, x, w, labels, where)
     return _VocabSplit(vocab_axis, size, manual=False)
+
+
+# --- the split read from the operands' shardings (Auto mesh or none, no vocab_axis) -------------
+#
+# The shardings are not in the types there: inside jit nothing tells the traced function how w
+# is laid out. XLA's partitioner knows; linear_ce's custom-partitioned core reads the split with
+# these when the program is partitioned.
+
+
+def _splits_by_sharding(mesh) -> bool:
+    """Read the split from the shardings: under an Auto mesh of several devices (outside
+    ``shard_map``), or with no mesh in context where there are several devices.
+
+    With no mesh in context the program's shardings come from its arguments (arrays placed with
+    a ``NamedSharding``, or ``jit``'s ``in_shardings``), which the trace never sees; XLA hands
+    them to the op when it partitions the program, with their mesh. A program of one device
+    runs the op's plain function.
+    """
+    if mesh.empty:
+        return jax.device_count() > 1
+    return math.prod(mesh.shape.values()) > 1 and all(
+        kind == AxisType.Auto for kind in mesh.axis_types
+    )
+
+
+def _sharding_dims(s, ndim: int) -> tuple:
+    """The mesh axes of each dimension of a partition-time operand (none if not a NamedSharding)."""
+    sharding = getattr(s, "sharding", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return ((),) * ndim
+    spec = tuple(sharding.spec)
+    return tuple(map(_dim_axes, spec + (None,) * (ndim - len(spec))))
+
+
+@dataclasses.dataclass(frozen=True)
+class _ShardPlan:
+    """The per-shard program of the partitioned core, read from the shardings of x and w.
+
+    ``vocab``: the mesh axes w's V dimension is split over (each shard walks its slice);
+    ``tokens``: the axes x's tokens are split over, less those. Axes that do not divide the
+    dimension are dropped (that operand is then gathered, as XLA would without this op).
+    """
+
+    mesh: Any
+    vocab: tuple[str, ...]
+    tokens: tuple[str, ...]
+
+    @classmethod
+    def read(cls, mesh, x, w) -> _ShardPlan:
+        def fitting(axes, size):
+            return axes if size % math.prod(mesh.shape[a] for a in axes) == 0 else ()
+
+        vocab = fitting(_sharding_dims(w, 2)[1], w.shape[1])
+        tokens = tuple(a for a in _sharding_dims(x, 2)[0] if a not in vocab)
+        return cls(mesh, vocab, fitting(tokens, x.shape[0]))
+
+    def sharding(self, *dims: str):
+        """NamedSharding of dimensions each ``"t"`` (tokens), ``"v"`` (vocabulary) or ``""``."""
+        axes = {"t": self.tokens, "v": self.vocab, "": ()}
+        entries = (
+            None if not axes[d] else axes[d] if len(axes[d]) > 1 else axes[d][0] for d in dims
+        )
+        return jax.sharding.NamedSharding(self.mesh, P(*entries))
+
+    def local(self, cfg: _Config, v_local: int) -> _Config:
+        """The configuration of one shard's core (its slice of V, the vocabulary axes named, its
+        share of the default tiles)."""
+        axis = None if not self.vocab else self.vocab[0] if len(self.vocab) == 1 else self.vocab
+        vocab_shards = math.prod(self.mesh.shape[a] for a in self.vocab)
+        shards = vocab_shards * math.prod(self.mesh.shape[a] for a in self.tokens)
+        chunk, tokens = _shared_tiles(cfg, v_local, vocab_shards, shards)
+        return cfg._replace(
+            chunk_size=chunk,
+            token_chunk=tokens,
+            axis_name=axis,
+            by_sharding=False,
+            sum_dx=bool(self.vocab),
+        )
 
 
 def _vocab_offset(cfg: _Config, v: int):
