@@ -154,6 +154,8 @@ class Optimized:
                         list(found.init),
                         list(found.xs) if found.xs else None,
                         length=found.length,
+                        reverse=found.reverse,
+                        unroll=found.unroll,
                         **_plan_options(self._options(found)),
                     )
                     stock, kept = plan.stock_stacked_bytes, plan.stacked_bytes

@@ -33,7 +33,8 @@ class Found:
     called_from: str  # the innermost frame outside installed packages, when not ``source``
     length: int
     reverse: bool
-    step: Callable | None = None  # the step, re-evaluated (for explain)
+    step: Callable | None = None
+    unroll: int | bool = 1  # the step, re-evaluated (for explain)
     init: tuple = ()
     xs: tuple = ()
 
@@ -113,6 +114,7 @@ class Rewriter:
             length=params["length"],
             reverse=bool(params["reverse"]),
             step=step,
+            unroll=params["unroll"],
             init=tuple(init),
             xs=tuple(xs),
         )

@@ -20,6 +20,7 @@ VJP of steps 3-4 (``jax_compat.hiprim_usable``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -115,7 +116,7 @@ def scan_residuals(f: Callable, init: Any, xs: Any = None, length: int | None = 
     def trace(init, xs):
         prepared = _prepare(f, init, xs, length, fname, diff_consts=True)
         body, init_leaves, xs_leaves, _, n = prepared
-        body, _, _ = _drop_forwarded(body, init_leaves, xs_leaves)
+        body, init_leaves, _ = _drop_forwarded(body, init_leaves, xs_leaves)
         reverse = bool(kwargs.get("reverse", False))
         lean = _LeanScan(
             body, n, reverse, opts.unroll, opts.recompute, opts.offload, fname,
@@ -129,7 +130,13 @@ def scan_residuals(f: Callable, init: Any, xs: Any = None, length: int | None = 
             carry_bytes = sum(_jc.nbytes(v.aval) for v in step.carry_invars)
             schedule = _schedule.describe(n, slots, carry_bytes)
         stock = _stock_stacked_bytes(lean.body, step, n)
-        plans.append(_summary.summarize(step, n, stock, schedule))
+        summary = _summary.summarize(step, n, stock, schedule)
+        config = _primitive.LoopConfig(
+            fname, opts.recompute, opts.offload, opts.unroll, checkpoints, opts.compress
+        )
+        if slots is None and _primitive.runs_stock(lean, config, init_leaves, xs_leaves, body):
+            summary = dataclasses.replace(summary, stacked=(), stacked_bytes=stock, program="stock")
+        plans.append(summary)
 
     jax.eval_shape(trace, init, xs)
     return plans[0]

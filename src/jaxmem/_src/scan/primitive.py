@@ -35,6 +35,7 @@ from jax.tree_util import tree_unflatten
 
 from jaxmem._src import jax_compat as _jc
 from jaxmem._src.scan import options as _opts
+from jaxmem._src.scan import unrolled as _unrolled
 from jaxmem._src.scan.checkpointed import _CheckpointedScan
 from jaxmem._src.scan.lean import _LeanScan
 from jaxmem._src.scan.trace import _drop_forwarded, _prepare
@@ -68,12 +69,66 @@ def run(f, init, xs, length, reverse: bool, config: LoopConfig):
         rules = _CheckpointedScan(
             body, length, reverse, config.unroll, slots, config.offload, config.fname, spaces
         )
-    if _jc.hiprim_usable():
+    choice = "rolled_backward"
+    if slots is None and _chooses_unrolled(rules, config):
+        choice = _unrolled_choice(rules, config, inputs, body)
+        rules.roll_backward = choice == "rolled_backward"
+    if choice == "stock":
+        final, ys = rules._primal(*(list(g) for g in inputs))
+    elif _jc.hiprim_usable():
         final, ys = JaxmemScan(rules, config, inputs)(*inputs)
     else:  # a custom VJP (jax 0.10.2 checking leaks): forward mode raises JAX's TypeError
         final, ys = _custom_vjp(rules)(*(list(g) for g in inputs))
     final, ys = restore(final, ys)
     return tree_unflatten(body.carry_tree, final), tree_unflatten(body.y_tree, ys)
+
+
+def runs_stock(rules, config: LoopConfig, init_leaves, xs_leaves, body) -> bool:
+    """Whether this loop runs as ``lax.scan``'s own VJP (unrolled whole, where that compiles
+    leaner): what :func:`jaxmem.scan_residuals` reports."""
+    if not _chooses_unrolled(rules, config):
+        return False
+    inputs = (tuple(body.consts), tuple(init_leaves), tuple(xs_leaves))
+    return _unrolled_choice(rules, config, inputs, body) == "stock"
+
+
+def _chooses_unrolled(rules, config: LoopConfig) -> bool:
+    """Whether the program of a loop unrolled whole is chosen by compiling (not with offload or
+    compress, which ask for the lean VJP's stacks)."""
+    return (
+        rules.unrolled_whole
+        and rules.length > 1
+        and config.offload is None
+        and config.compress is None
+        and _jc.hiprim_usable()
+    )
+
+
+def _unrolled_choice(rules, config: LoopConfig, inputs, body) -> str:
+    """:func:`jaxmem._src.scan.unrolled.choose` for this loop: its three programs, each a
+    function of ``(consts, init, xs)``."""
+
+    def lean(roll: bool):
+        def program(consts, init, xs):
+            variant = _LeanScan(
+                rules.body, rules.length, rules.reverse, rules.unroll, rules.recompute,
+                rules.offload, rules.fname, rules.spaces, rules.compress,
+            )  # fmt: skip
+            variant.n_consts = rules.n_consts
+            variant.roll_backward = roll
+            groups = (tuple(consts), tuple(init), tuple(xs))
+            return JaxmemScan(variant, config, groups)(*groups)
+
+        return program
+
+    programs = {
+        "rolled_backward": lean(True),
+        "unrolled": lean(False),
+        "stock": lambda consts, init, xs: rules._primal(list(consts), list(init), list(xs)),
+    }
+    in_avals = tuple(tuple(jax.typeof(v) for v in g) for g in inputs)
+    key = (str(body.jaxpr), in_avals, rules.length, bool(rules.reverse), rules.unroll, config)
+    return _unrolled.choose(key, programs, in_avals)
 
 
 def _custom_vjp(rules):

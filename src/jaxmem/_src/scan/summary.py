@@ -63,6 +63,9 @@ class ScanPlan:
       schedule: with ``checkpoints``, the :class:`jaxmem.CheckpointSchedule` (then ``stacked``
         lists the carry leaves, kind ``"checkpoint"``, and ``stacked_bytes`` is the bytes of the
         checkpoints: one step's residuals are live at a time); None otherwise.
+      program: ``"lean"``, or ``"stock"`` for a loop unrolled whole whose gradient compiles
+        leaner as ``lax.scan``'s own (:mod:`jaxmem._src.scan.unrolled`): it runs so, and then
+        ``stacked`` is empty and ``stacked_bytes`` is ``stock_stacked_bytes``.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -87,6 +90,7 @@ class ScanPlan:
     stacked_bytes: int
     stock_stacked_bytes: int | None
     schedule: Any = None
+    program: str = "lean"
 
     @property
     def ratio(self) -> float | None:

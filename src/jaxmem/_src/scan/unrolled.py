@@ -1,0 +1,72 @@
+"""Loops unrolled whole: which program runs them, chosen by compiling each on the loop alone.
+
+A loop unrolled whole (``unroll=True`` or ``unroll >= length``) is one straight-line program,
+and there XLA's schedule, more than the residuals kept, sets the memory. Three programs compute
+the same values and gradients:
+
+- ``"rolled_backward"``: the lean VJP with its forward loop unrolled as asked and its backward
+  loop rolled, each backward step's temporaries freed before the next. On a tanh RNN at T 8-24
+  0.33x-0.42x the temp of ``lax.scan(..., unroll=True)`` (whose own straight-line program needs
+  1.7x-1.9x its rolled loop's), on Penzai's layer stack 0.71x;
+- ``"unrolled"``: the lean VJP with both loops unrolled (1.04x-1.11x that stock on the RNN);
+- ``"stock"``: ``lax.scan``'s own VJP. Where every value of the step fuses (elementwise
+  bodies), XLA runs stock's straight-line gradient in the outputs' buffers, with no temp at all,
+  which neither lean program reaches.
+
+No one program is the leanest everywhere (on 70 of the random bodies of
+``tests/scan/test_scan_memory.py`` unrolled whole, jax 0.12.0.1: each of the three above the
+bar of 1.02x stock + 16 KiB on 9 to 13 of them), so each is compiled on the loop alone, its
+gradient that of a sum of squares of every float output with respect to every float input,
+and the one with the least temp runs (ties in the order above). Nothing runs: three
+compilations at the first trace of each loop signature, cached.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+CANDIDATES = ("rolled_backward", "unrolled", "stock")
+
+
+def choose(key, programs: dict, in_avals: tuple) -> str:
+    """The candidate whose gradient compiles to the least temp (:data:`CANDIDATES` order on
+    ties). ``programs[name](consts, init, xs) -> (final, ys)`` (lists of leaves); ``in_avals``
+    the types of ``(consts, init, xs)``; ``key`` identifies the loop for the cache."""
+    cached = _CHOICES.get(key)
+    if cached is not None:
+        return cached
+    temps = {name: _compiled_temp(programs[name], in_avals) for name in CANDIDATES}
+    known = {n: t for n, t in temps.items() if t is not None}
+    choice = min(known, key=lambda n: (known[n], CANDIDATES.index(n))) if known else CANDIDATES[0]
+    _CHOICES[key] = choice
+    return choice
+
+
+_CHOICES: dict = {}
+
+
+def _compiled_temp(program, in_avals) -> int | None:
+    """Compiled temp bytes of the gradient of a sum of squares of ``program``'s float outputs
+    with respect to its float inputs; None where it does not compile on its own (a loop inside
+    ``shard_map`` whose types name manual axes)."""
+    groups = [[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in g] for g in in_avals]
+    flat = [s for g in groups for s in g]
+    is_float = [jnp.issubdtype(s.dtype, jnp.inexact) for s in flat]
+    sizes = [len(g) for g in groups]
+
+    def loss(floats, others):
+        it_f, it_o = iter(floats), iter(others)
+        args = [next(it_f) if f else next(it_o) for f in is_float]
+        consts, init, xs = args[: sizes[0]], args[sizes[0] : sum(sizes[:2])], args[sum(sizes[:2]) :]
+        final, ys = program(consts, init, xs)
+        leaves = [v for v in (*final, *ys) if jnp.issubdtype(v.dtype, jnp.inexact)]
+        return sum((jnp.sum(jnp.square(v.astype(jnp.float32))) for v in leaves), jnp.float32(0))
+
+    floats = [s for s, f in zip(flat, is_float, strict=True) if f]
+    others = [s for s, f in zip(flat, is_float, strict=True) if not f]
+    try:
+        compiled = jax.jit(jax.grad(loss)).lower(floats, others).compile()
+    except Exception:  # noqa: BLE001 - the candidate is not measurable alone; others may be
+        return None
+    return compiled.memory_analysis().temp_size_in_bytes
