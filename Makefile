@@ -34,7 +34,7 @@ SLOW_FIRST = tests/remat/test_planner.py tests/flax/test_flax_nnx_upstream.py \
 	tests/remat/test_heldout_gpt.py
 TEST_ARGS ?= --nbmake notebooks $(SLOW_FIRST) tests src/jaxmem README.md docs
 
-.PHONY: test test-compat demo bench notebooks docs lint format clean
+.PHONY: test test-compat demo bench bench-frameworks notebooks docs lint format clean
 
 # Re-installs only when the project metadata changes (the stamp is newer otherwise).
 $(STAMP): pyproject.toml
@@ -72,6 +72,31 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run
+
+# The frameworks benchmark (benchmarks/frameworks.py): one venv per framework, as their JAX pins
+# differ (Levanter pins jax 0.11.2), each with jaxmem installed editable; never needed by
+# `make test`. FRAMEWORKS picks a subset, BENCH_ARGS the options (--quick, --no-time, --json).
+# Each venv is made once (its stamp); MaxText's wheel declares no dependencies, so they are
+# named here, DECOUPLE_GCLOUD=TRUE runs it without Google Cloud.
+FRAMEWORKS ?= maxtext levanter penzai
+BENCH_ARGS ?=
+FW_PYTHON := $(or $(call resolve,python3.13),$(call resolve,python3.12),$(PYTHON_EXE))
+PIP_maxtext := maxtext==0.2.5 "jax>=0.11.1" flax omegaconf pydantic jaxtyping aqtp qwix \
+	orbax-checkpoint chex ml-collections einops grain drjax tokamax transformers sentencepiece \
+	tiktoken optax absl-py pathwaysutils jinja2 pillow sympy
+PIP_levanter := --pre marin-levanter marin-haliax jax==0.11.2 jaxlib==0.11.2
+PIP_penzai := penzai==0.2.5
+
+.venv-%/.installed-framework:
+	test -x .venv-$*/bin/python || $(FW_PYTHON) -m venv .venv-$*
+	.venv-$*/bin/python -m pip install --quiet --upgrade pip
+	.venv-$*/bin/python -m pip install --quiet -e . $(PIP_$*)
+	touch $@
+
+bench-frameworks: $(foreach f,$(FRAMEWORKS),.venv-$(f)/.installed-framework)
+	@status=0; for f in $(FRAMEWORKS); do \
+		DECOUPLE_GCLOUD=TRUE .venv-$$f/bin/python -m benchmarks.frameworks $(BENCH_ARGS) || status=1; \
+	done; exit $$status
 
 # Runs the notebooks at full size (CI unset) and saves them with their outputs, which GitHub and
 # the docs show; tests/test_notebooks.py fails until this is re-run after a code cell changes.

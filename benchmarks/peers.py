@@ -45,6 +45,11 @@ Cases:
    the weight as ``[V, D]``, its own layout (transposed once before compiling; its gradient is
    compared transposed back).
 
+5. The cases of :mod:`benchmarks.frameworks` (Levanter, MaxText and Penzai models, stock
+   ``value_and_grad`` against ``jaxmem.optimize``), for each of those frameworks that is
+   installed (each in a venv of its own: ``make bench-frameworks``); the header says which are
+   not, and their cases are left out.
+
 Equinox, Flax, tokamax and jax-cce are optional (``pip install jaxmem[flax,bench]``): what is
 absent is skipped and the table says so. Bars (the targets of issue 24, and per case: every row's
 ``grad err`` <= 1e-5) are printed as PASS, FAIL or SKIPPED after the table; ``--check`` makes a
@@ -512,7 +517,13 @@ def cases(sizes: Sizes) -> list[Case]:
         *gemma_cases(sizes),
         *lm1b_cases(sizes),
         cross_entropy_case(sizes),
+        *_frameworks().cases(sizes.quick, sizes.repeats),
     ]
+
+
+def _frameworks() -> Any:
+    """:mod:`benchmarks.frameworks` (imported late: it imports this module)."""
+    return importlib.import_module("benchmarks.frameworks")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -527,6 +538,7 @@ class Row:
       label: the implementation.
       role: ``"stock"``, ``"peer"`` or ``"jaxmem"``.
       temp_bytes: compiled temp bytes of its jitted ``value_and_grad``.
+      peak_bytes: compiled temp + argument + output - alias bytes of the same.
       samples_s: its timed steps, seconds, one per round (rounds interleave the rows).
       grad_rel_err: against the stock row (see the module docstring); None for stock.
       marks: ``"leanest"`` / ``"fastest"`` within its family.
@@ -537,6 +549,7 @@ class Row:
     label: str
     role: str
     temp_bytes: int | None = None
+    peak_bytes: int | None = None
     samples_s: tuple[float, ...] = ()
     grad_rel_err: float | None = None
     marks: tuple[str, ...] = ()
@@ -624,7 +637,14 @@ def measure(case: Case, compiler_options: dict | None = None, *, timed: bool = T
         try:
             own = case.args if impl.layout is None else impl.layout(*case.args)
             exe = jax.jit(impl.fn).lower(*own).compile(compiler_options)
-            row.temp_bytes = exe.memory_analysis().temp_size_in_bytes
+            ma = exe.memory_analysis()
+            row.temp_bytes = ma.temp_size_in_bytes
+            row.peak_bytes = (
+                ma.temp_size_in_bytes
+                + ma.argument_size_in_bytes
+                + ma.output_size_in_bytes
+                - ma.alias_size_in_bytes
+            )
             if impl.layout is None:
                 compiled[impl.label] = exe
             else:
@@ -818,7 +838,8 @@ def header(sizes: Sizes) -> str:
     return (
         f"peers benchmark | jax {env['jax_version']} | backend {env['backend']} "
         f"({env['device_kind']}) | python {env['python']} | {env['date']}\n"
-        f"{peers} | {'--quick shapes (not the issue figures)' if sizes.quick else 'full shapes'}"
+        f"{peers} | {'--quick shapes (not the issue figures)' if sizes.quick else 'full shapes'}\n"
+        f"{_frameworks().status_line()}"
     )
 
 

@@ -1,0 +1,580 @@
+"""Frameworks benchmark: ``jaxmem.optimize`` on models built with Levanter, MaxText and Penzai.
+
+Each framework's own model at a tiny f32 configuration (4 layers, width 256, MLP 1024, 4 heads
+of 64, vocabulary 1024, batch 4, sequence 128; ``--quick``: 2 layers, width 32), its layers
+stacked with ``lax.scan`` the way the framework does it, its loss written the way its users write
+it, with its defaults. Rows, as in :mod:`benchmarks.peers`: *stock* is the framework's training
+gradient, ``jax.value_and_grad`` of the loss (Levanter: ``eqx.filter_value_and_grad``, as its
+trainer does); *jaxmem* is the same with the loss wrapped in ``jaxmem.optimize`` before it is
+differentiated. Both jitted and compiled once, then timed interleaved
+(:func:`benchmarks.harness.time_interleaved`); ``grad err`` as in :mod:`benchmarks.peers`.
+
+Cases:
+
+1. ``maxtext <remat_policy>``: MaxText's ``llama2-7b`` decoder (NNX ``models.Transformer`` from
+   ``model_creation_utils.from_config``, ``pyconfig`` of its ``base.yml``) shrunk with
+   ``override_model_config``, ``scan_layers=True``, ``attention=dot_product``, f32, the loss of
+   its pre-training loop (``maxtext.trainers.pre_train.train.loss_fn`` inside the
+   ``diff_wrapper`` of its ``train_step``), gradient w.r.t. the ``nnx.Param`` state. MaxText
+   wraps every scanned layer in ``jax.checkpoint`` (``remat_policy="none"`` still does), so
+   every row has remat: one case per policy it offers that runs on one CPU (``full``, its
+   default, first); ``custom`` with every named tensor on device is the closest it has to none.
+2. ``levanter <model> gc=<bool>``: Levanter's ``LlamaLMHeadModel`` and ``Gpt2LMHeadModel``
+   (``scan_layers=True``, its default), ``gradient_checkpointing=True`` (its default, full remat
+   per layer) and ``False``, the loss of its ``train_lm``
+   (``model.compute_next_token_loss(example)``, fused next-token loss) on
+   ``LmExample.causal`` examples vmapped over a batch axis, gradient w.r.t. the model's arrays.
+3. ``penzai <remat>``: Penzai's llama-like transformer (``build_llamalike_transformer``,
+   ``use_layer_stack=True``: a ``pz.nn.LayerStack`` run by ``lax.scan``), no remat and with every
+   ``TransformerBlock`` wrapped in ``gradient_checkpointing.Checkpointed``; loss the named-axis
+   next-token cross-entropy of its tutorials (``pz.nx.nmap(optax.softmax_cross_entropy_with_
+   integer_labels)``), gradient w.r.t. the parameters (``pz.unbind_params``, frozen).
+
+Each framework pins its own JAX (Levanter jax 0.11.2), so each has a venv of its own:
+``make bench-frameworks`` creates ``.venv-maxtext``, ``.venv-levanter`` and ``.venv-penzai`` and
+runs this module in each. A framework that is not installed is skipped with a line saying so;
+:mod:`benchmarks.peers` gains these cases where the framework imports.
+
+Beyond the peers table: ``peak`` (``temp + arguments + outputs - aliased`` of the compiled
+``memory_analysis()``), and what ``jaxmem.optimize(loss).explain(...)`` claims (the bytes the
+scans' gradients keep, ``lax.scan``'s and jaxmem's, summed over the scans) against the compiled
+temp saving.
+
+Usage: ``python -m benchmarks.frameworks [--quick] [--no-time] [--repeats N] [--json PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import pathlib
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import jaxmem
+from benchmarks import harness, peers
+from benchmarks.harness import format_mib
+from benchmarks.peers import JAXMEM, STOCK, Case, Impl
+
+FRAMEWORKS = {"maxtext": "maxtext", "levanter": "marin-levanter", "penzai": "penzai"}
+"""Import name -> distribution (``make bench-frameworks`` installs each in a venv of its own)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """A tiny decoder: layers, width, MLP width, heads x head width, vocabulary, batch, sequence."""
+
+    layers: int
+    emb: int
+    mlp: int
+    heads: int
+    head_dim: int
+    vocab: int
+    batch: int
+    seq: int
+
+    def __str__(self) -> str:
+        return (
+            f"L={self.layers} emb={self.emb} mlp={self.mlp} heads={self.heads}x{self.head_dim} "
+            f"V={self.vocab} B={self.batch} S={self.seq}"
+        )
+
+
+FULL = Sizes(layers=4, emb=256, mlp=1024, heads=4, head_dim=64, vocab=1024, batch=4, seq=128)
+QUICK = Sizes(layers=2, emb=32, mlp=64, heads=2, head_dim=16, vocab=128, batch=2, seq=16)
+
+MAXTEXT_POLICIES = (
+    "full",  # MaxText's default
+    "minimal",
+    "minimal_with_context",
+    "save_dot_with_context_except_mlp",
+    "save_dot_except_mlpwi",
+    "save_dot_except_mlp",
+    "save_qkv_proj",
+    "save_out_proj",
+    "custom",  # every named tensor on device
+)
+"""MaxText's ``remat_policy`` values that run on one CPU (the ``*_offloaded`` ones move
+tensors to ``pinned_host``)."""
+
+MAXTEXT_NAMED_TENSORS = (
+    "context",
+    "mlpwi",
+    "mlpwi_0",
+    "mlpwi_1",
+    "mlpwo",
+    "query_proj",
+    "key_proj",
+    "value_proj",
+    "qkv_proj",
+    "out_proj",
+)
+"""The tensors ``remat_policy=custom`` is told to keep on device (its ``base.yml`` names)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FrameworkCase:
+    """A :class:`benchmarks.peers.Case` and what ``jaxmem.optimize(loss).explain`` says of it.
+
+    Attributes:
+      case: the rows (stock, jaxmem) and their arguments.
+      explain: returns the :class:`jaxmem.Explanation` of the case's loss (None: skipped).
+      context: a context manager the case is measured in (MaxText's mesh), or None.
+    """
+
+    case: Case
+    explain: Callable[[], Any] | None = None
+    context: Callable[[], Any] | None = None
+
+
+def installed() -> dict[str, bool]:
+    """Import name -> whether the framework is installed."""
+    return {m: importlib.util.find_spec(m) is not None for m in FRAMEWORKS}
+
+
+def status_line() -> str:
+    """One line: each framework's version, or that it is not installed (its rows skipped)."""
+    parts = []
+    for dist in FRAMEWORKS.values():
+        version = peers._version(dist)
+        if version is None:
+            parts.append(f"{dist} not installed (rows skipped; make bench-frameworks)")
+        else:
+            parts.append(f"{dist} {version}")
+    return "frameworks: " + ", ".join(parts)
+
+
+def _grad_rows(loss: Callable, grad: Callable = jax.value_and_grad) -> tuple[Impl, Impl]:
+    """The stock and jaxmem rows of a loss of the case's arguments."""
+    return (
+        Impl(f"{grad.__module__.split('.')[0]}.{grad.__name__}(loss)", STOCK, grad(loss)),
+        Impl("jaxmem.optimize(loss)", JAXMEM, grad(jaxmem.optimize(loss))),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# MaxText.
+
+
+def maxtext_cases(s: Sizes, repeats: int) -> list[FrameworkCase]:
+    """MaxText's llama2 decoder, one case per remat policy (case 1)."""
+    os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")  # no Google Cloud dependencies
+    import maxtext.configs  # noqa: PLC0415 - optional
+    from flax import nnx  # noqa: PLC0415
+    from maxtext.configs import pyconfig  # noqa: PLC0415
+    from maxtext.trainers.pre_train import train  # noqa: PLC0415
+    from maxtext.utils import maxtext_utils, model_creation_utils  # noqa: PLC0415
+
+    base = os.path.join(os.path.dirname(maxtext.configs.__file__), "base.yml")
+    out = []
+    for policy in MAXTEXT_POLICIES:
+        argv = [
+            "maxtext",
+            base,
+            "model_name=llama2-7b",
+            "override_model_config=True",
+            f"base_num_decoder_layers={s.layers}",
+            f"base_emb_dim={s.emb}",
+            f"base_mlp_dim={s.mlp}",
+            f"base_num_query_heads={s.heads}",
+            f"base_num_kv_heads={s.heads}",
+            f"head_dim={s.head_dim}",
+            f"vocab_size={s.vocab}",
+            f"max_target_length={s.seq}",
+            f"per_device_batch_size={s.batch}",
+            "scan_layers=True",
+            "dtype=float32",
+            "weight_dtype=float32",
+            "attention=dot_product",
+            f"remat_policy={policy}",
+            "enable_checkpointing=False",
+            "skip_jax_distributed_system=True",
+            "dataset_type=synthetic",
+            "run_name=jaxmem-bench",
+            "base_output_directory=/tmp/jaxmem-bench-maxtext",
+        ]
+        if policy == "custom":
+            argv += [f"{name}=device" for name in MAXTEXT_NAMED_TENSORS]
+        config = pyconfig.initialize(argv)
+        mesh = maxtext_utils.get_mesh_from_config(config)
+        model = model_creation_utils.from_config(
+            config, mesh=mesh, rngs=nnx.Rngs(params=0, dropout=1, aqt=2)
+        )
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        b, t = s.batch, s.seq
+        tokens = jax.random.randint(jax.random.key(1), (b, t + 1), 0, s.vocab)
+        ones = jnp.ones((b, t), jnp.int32)
+        data = {
+            "inputs": tokens[:, :-1],
+            "targets": tokens[:, 1:],
+            "inputs_position": jnp.broadcast_to(jnp.arange(t), (b, t)),
+            "inputs_segmentation": ones,
+            "targets_segmentation": ones,
+        }
+
+        def loss(params, rest, data, graphdef=graphdef, config=config):
+            """train_step's diff_wrapper: the model merged from its state, then loss_fn."""
+            model = nnx.merge(graphdef, params, rest, copy=True)
+            value, _aux = train.loss_fn(model, config, dict(data), None, None, is_train=True)
+            return value
+
+        description = (
+            f"MaxText llama2 decoder (NNX), {s}, scan_layers, f32, remat_policy={policy}"
+            + (" (every named tensor on device)" if policy == "custom" else "")
+            + "; train loss_fn, grad w.r.t. nnx.Param"
+        )
+        args = (params, rest, data)
+        out.append(
+            FrameworkCase(
+                Case(f"maxtext {policy}", description, _grad_rows(loss), args, repeats),
+                lambda loss=loss, args=args: jaxmem.optimize(loss).explain(*args),
+                lambda mesh=mesh: jax.set_mesh(mesh),
+            )
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Levanter.
+
+
+def levanter_cases(s: Sizes, repeats: int) -> list[FrameworkCase]:
+    """Levanter's Llama and GPT-2, gradient checkpointing on (default) and off (case 2)."""
+    import equinox as eqx  # noqa: PLC0415 - optional, Levanter's
+    import haliax as hax  # noqa: PLC0415
+    from levanter.models.gpt2 import Gpt2Config, Gpt2LMHeadModel  # noqa: PLC0415
+    from levanter.models.llama import LlamaConfig, LlamaLMHeadModel  # noqa: PLC0415
+    from levanter.models.lm_model import LmExample  # noqa: PLC0415
+
+    vocab, batch = hax.Axis("vocab", s.vocab), hax.Axis("batch", s.batch)
+    out = []
+    for kind in ("llama", "gpt2"):
+        for gc in (True, False):
+            if kind == "llama":
+                config = LlamaConfig(
+                    max_seq_len=s.seq,
+                    hidden_dim=s.emb,
+                    intermediate_dim=s.mlp,
+                    num_layers=s.layers,
+                    num_heads=s.heads,
+                    num_kv_heads=s.heads,
+                    head_dim=s.head_dim,
+                    gradient_checkpointing=gc,
+                )
+                model = LlamaLMHeadModel.init(vocab, config, key=jax.random.key(0))
+            else:
+                config = Gpt2Config(
+                    max_seq_len=s.seq,
+                    hidden_dim=s.emb,
+                    num_layers=s.layers,
+                    num_heads=s.heads,
+                    gradient_checkpointing=gc,
+                )
+                model = Gpt2LMHeadModel.init(vocab, config, key=jax.random.key(0))
+            params, static = eqx.partition(model, eqx.is_array)
+            tokens = hax.random.randint(jax.random.key(1), (batch, config.max_Pos), 0, s.vocab)
+
+            def loss_function(model, example, *, key=None):
+                """train_lm's loss (the trainer's loss_fn returns it as a scalar)."""
+                return model.compute_next_token_loss(example, key=key).scalar()
+
+            def step(loss, static=static):
+                def value_and_grad(arrays, token_ids):
+                    model = eqx.combine(arrays, static)
+                    example = hax.vmap(LmExample.causal, batch)(token_ids)
+                    return eqx.filter_value_and_grad(loss)(model, example)
+
+                return value_and_grad
+
+            def explain(params=params, static=static, tokens=tokens, loss=loss_function):
+                example = hax.vmap(LmExample.causal, batch)(tokens)
+                return jaxmem.optimize(loss).explain(eqx.combine(params, static), example)
+
+            mlp = f"mlp={s.mlp}" if kind == "llama" else "mlp=4x"
+            description = (
+                f"Levanter {kind} LMHeadModel, L={s.layers} emb={s.emb} {mlp} heads={s.heads}, "
+                f"V={s.vocab} B={s.batch} S={s.seq}, scan_layers, f32, "
+                f"gradient_checkpointing={gc}; compute_next_token_loss, grad w.r.t. the arrays"
+            )
+            impls = (
+                Impl("eqx.filter_value_and_grad(loss)", STOCK, step(loss_function)),
+                Impl("jaxmem.optimize(loss)", JAXMEM, step(jaxmem.optimize(loss_function))),
+            )
+            name = f"levanter {kind} gc={gc}"
+            out.append(
+                FrameworkCase(Case(name, description, impls, (params, tokens), repeats), explain)
+            )
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Penzai.
+
+
+def penzai_cases(s: Sizes, repeats: int) -> list[FrameworkCase]:
+    """Penzai's llama-like transformer in a LayerStack, no remat and Checkpointed (case 3)."""
+    import optax  # noqa: PLC0415 - Penzai's dependency
+    from penzai import pz  # noqa: PLC0415 - optional
+    from penzai.models.transformer import model_parts  # noqa: PLC0415
+    from penzai.models.transformer.variants import llamalike_common  # noqa: PLC0415
+    from penzai.toolshed import gradient_checkpointing  # noqa: PLC0415
+
+    config = llamalike_common.LlamalikeTransformerConfig(
+        num_kv_heads=s.heads,
+        query_head_multiplier=1,
+        embedding_dim=s.emb,
+        projection_dim=s.head_dim,
+        mlp_hidden_dim=s.mlp,
+        num_decoder_blocks=s.layers,
+        vocab_size=s.vocab,
+        mlp_variant="swiglu",
+        tie_embedder_and_logits=False,
+        use_layer_stack=True,
+    )
+    model = llamalike_common.build_llamalike_transformer(config, init_base_rng=jax.random.key(0))
+    checkpointed = (
+        pz.select(model)
+        .at_instances_of(model_parts.TransformerBlock)
+        .apply(gradient_checkpointing.Checkpointed)
+    )
+    raw = jax.random.randint(jax.random.key(1), (s.batch, s.seq), 0, s.vocab)
+    tokens = pz.nx.wrap(raw).tag("batch", "seq")
+    out = []
+    for remat, m in (("no remat", model), ("Checkpointed blocks", checkpointed)):
+        unbound, params = pz.unbind_params(m)
+        params = pz.freeze_params(params)
+
+        def loss(params, tokens, unbound=unbound):
+            logits = pz.bind_variables(unbound, params)(tokens)
+            losses = pz.nx.nmap(optax.softmax_cross_entropy_with_integer_labels)(
+                logits[{"seq": pz.slice[:-1]}].untag("vocabulary"),
+                tokens[{"seq": pz.slice[1:]}],
+            )
+            return losses.untag("batch", "seq").unwrap().mean()
+
+        description = (
+            f"Penzai llamalike transformer (swiglu), {s}, use_layer_stack, f32, {remat}; "
+            "next-token cross-entropy, grad w.r.t. the parameters"
+        )
+        args = (params, tokens)
+        out.append(
+            FrameworkCase(
+                Case(f"penzai {remat}", description, _grad_rows(loss), args, repeats),
+                lambda loss=loss, args=args: jaxmem.optimize(loss).explain(*args),
+            )
+        )
+    return out
+
+
+BUILDERS = {"maxtext": maxtext_cases, "levanter": levanter_cases, "penzai": penzai_cases}
+
+
+def framework_cases(quick: bool = False, repeats: int = harness.MIN_REPEATS) -> list[FrameworkCase]:
+    """The cases of every installed framework (none of the others)."""
+    s = QUICK if quick else FULL
+    return [c for m, ok in installed().items() if ok for c in BUILDERS[m](s, repeats)]
+
+
+def cases(quick: bool = False, repeats: int = harness.MIN_REPEATS) -> list[Case]:
+    """The :mod:`benchmarks.peers` cases of every installed framework."""
+    return [c.case for c in framework_cases(quick, repeats)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Measuring.
+
+
+@dataclasses.dataclass
+class Claim:
+    """What ``explain`` says: scans rewritten, and the bytes their gradients keep, summed."""
+
+    scans: int = 0
+    rewritten: int = 0
+    stock_kept_bytes: int | None = None
+    kept_bytes: int | None = None
+    error: str | None = None
+
+
+def claim(explain: Callable[[], Any]) -> Claim:
+    """Runs ``explain`` and sums its scans' kept bytes (None where a scan has no figure)."""
+    try:
+        explanation = explain()
+    except Exception as e:  # noqa: BLE001 - reported, not fatal
+        return Claim(error=peers._error_text(e))
+    scans = [r for r in explanation.scans if r.rewritten]
+    out = Claim(len(explanation.scans), len(scans))
+    if scans and all(r.stock_bytes is not None and r.kept_bytes is not None for r in scans):
+        out.stock_kept_bytes = sum(r.stock_bytes for r in scans)
+        out.kept_bytes = sum(r.kept_bytes for r in scans)
+    return out
+
+
+def measure(fc: FrameworkCase, *, timed: bool) -> tuple[peers.Result, Claim | None]:
+    """The case's rows (:func:`benchmarks.peers.measure`) and what ``explain`` claims."""
+    ctx = fc.context() if fc.context is not None else _null()
+    with ctx:
+        result = peers.measure(fc.case, timed=timed)
+        return result, (claim(fc.explain) if fc.explain is not None else None)
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def run(quick: bool, *, timed: bool, repeats: int, progress: bool = False):
+    """Builds and measures every installed framework's cases; a failing build is a failed row."""
+    s = QUICK if quick else FULL
+    out = []
+    for module, ok in installed().items():
+        if not ok:
+            continue
+        try:
+            built = BUILDERS[module](s, repeats)
+        except Exception as e:  # noqa: BLE001 - a framework that fails to build is reported
+            row = peers.Row(f"{module} model", STOCK, error=peers._error_text(e))
+            out.append((peers.Result(module, "building the model failed", [row], 0), None))
+            continue
+        for fc in built:
+            if progress:
+                print(f"  measuring {fc.case.name} ...", file=sys.stderr, flush=True)
+            out.append(measure(fc, timed=timed))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Output.
+
+
+def format_table(results: Sequence[tuple[peers.Result, Claim | None]]) -> str:
+    """One line per case: stock temp and peak, jaxmem's ratios, grad err, explain's claim.
+
+    ``claimed kept``: explain's bytes kept for the gradient by the scans, ``lax.scan`` ->
+    jaxmem; ``claimed`` / ``compiled`` saving: their difference against the stock row's temp
+    minus the jaxmem row's.
+    """
+    head = [
+        "case",
+        "stock temp",
+        "peak",
+        "jaxmem temp",
+        "x stock",
+        "peak x",
+        "time x",
+        "grad err",
+        "claimed kept",
+        "claimed saving",
+        "compiled saving",
+    ]
+    rows, notes = [], []
+    for r, c in results:
+        stock, ours = r.stock, next((x for x in r.rows if x.role == JAXMEM), None)
+        for row in r.rows:
+            if row.error or row.skipped:
+                notes.append(f"  {r.name} / {row.label}: {row.error or row.skipped}")
+        if c is not None and c.error:
+            notes.append(f"  {r.name} / explain: {c.error}")
+        if stock is None or ours is None or stock.temp_bytes is None or ours.temp_bytes is None:
+            rows.append([r.name, "error"])
+            continue
+        claimed = saving = "-"
+        if c is not None and c.kept_bytes is not None:
+            claimed = f"{format_mib(c.stock_kept_bytes)} -> {format_mib(c.kept_bytes)}"
+            saving = format_mib(c.stock_kept_bytes - c.kept_bytes)
+        rows.append(
+            [
+                r.name,
+                format_mib(stock.temp_bytes),
+                format_mib(stock.peak_bytes),
+                format_mib(ours.temp_bytes),
+                peers._x(r.temp_ratio(ours, stock)),
+                peers._x(ours.peak_bytes / stock.peak_bytes if stock.peak_bytes else None),
+                peers._x(r.time_ratio(ours, stock)),
+                "-" if ours.grad_rel_err is None else f"{ours.grad_rel_err:.1e}",
+                claimed,
+                saving,
+                format_mib(stock.temp_bytes - ours.temp_bytes),
+            ]
+        )
+    widths = [max(len(x[i]) for x in [head, *rows] if i < len(x)) for i in range(len(head))]
+
+    def line(cells: list[str]) -> str:
+        out = [cells[0].ljust(widths[0])]
+        out += [c.rjust(w) for c, w in zip(cells[1:], widths[1:], strict=False)]
+        return "  ".join(out).rstrip()
+
+    lines = [line(head), "  ".join("-" * w for w in widths)]
+    lines += [line(row) for row in rows]
+    lines += ["", "cases:"] + [f"  {r.name}: {r.description}" for r, _ in results]
+    if notes:
+        lines += ["", "skipped or failed:", *notes]
+    return "\n".join(lines)
+
+
+def to_dict(results: Sequence[tuple[peers.Result, Claim | None]], quick: bool) -> dict[str, Any]:
+    """Every figure, JSON-ready, with the environment and the frameworks' versions."""
+    out: dict[str, Any] = {
+        **harness.environment(),
+        "frameworks": {d: peers._version(d) for d in FRAMEWORKS.values()},
+        "sizes": dataclasses.asdict(QUICK if quick else FULL),
+        "cases": {},
+    }
+    for r, c in results:
+        rows = []
+        for row in r.rows:
+            d = dataclasses.asdict(row)
+            d["time_median_s"] = row.time_median_s
+            d["temp_over_stock"] = r.temp_ratio(row, r.stock)
+            d["time_over_stock"] = r.time_ratio(row, r.stock)
+            rows.append(d)
+        out["cases"][r.name] = {
+            "description": r.description,
+            "repeats": r.repeats,
+            "rows": rows,
+            "explain": None if c is None else dataclasses.asdict(c),
+        }
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs every installed framework's cases and prints the table.
+
+    Returns:
+      1 if a row failed to measure, else 0 (frameworks not installed are skipped, not failed).
+    """
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.frameworks", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="2-layer width-32 models, 3 rounds")
+    parser.add_argument("--no-time", action="store_true", help="compile and run each row once")
+    parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 7)")
+    parser.add_argument("--json", type=pathlib.Path, help="write every figure to this file")
+    args = parser.parse_args(argv)
+    repeats = args.repeats or (3 if args.quick else harness.MIN_REPEATS)
+    env = harness.environment()
+    print(
+        f"frameworks benchmark | jax {env['jax_version']} | backend {env['backend']} "
+        f"({env['device_kind']}) | python {env['python']} | {env['date']}\n{status_line()}",
+        flush=True,
+    )
+    results = run(args.quick, timed=not args.no_time, repeats=repeats, progress=not args.quick)
+    if results:
+        print(format_table(results))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        data = to_dict(results, args.quick)
+        args.json.write_text(json.dumps(data, indent=2, default=harness.json_default) + "\n")
+        print(f"wrote {args.json}")
+    return 1 if any(row.error for r, _ in results for row in r.rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
