@@ -17,6 +17,7 @@ import pytest
 
 import jaxmem
 from benchmarks import optimize as gpt_bench
+from jaxmem._src import jax_compat as jc
 
 KIB16 = 16 * 1024
 R = np.random.default_rng(0)
@@ -407,8 +408,6 @@ def test_optimize_runs_scans_jax_built(name, remat3):
 def test_scan_counts_read_every_form():
     """``(num_consts, num_carry)`` of each scan JAX builds: the body's inputs in that order,
     consistent with the equation's operands and the body's carry outputs."""
-    from jaxmem._src import jax_compat as jc
-
     jaxprs = [jax.make_jaxpr(_jax_built(n))(W, XS, H0) for n in JAX_BUILT]
     scans = [e for j in jaxprs for e in _all_eqns(j.jaxpr) if e.primitive.name == "scan"]
     assert len(scans) >= len(JAX_BUILT) + 5
@@ -423,8 +422,6 @@ def test_scan_counts_read_every_form():
 
 
 def _all_eqns(jaxpr):
-    from jaxmem._src import jax_compat as jc
-
     for eqn in jaxpr.eqns:
         yield eqn
         for sub in jc.subjaxprs(eqn):

@@ -43,17 +43,13 @@ CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call", "eval_ja
 LOOP_PRIMITIVES = frozenset({"scan", "while"})
 
 
-def _lax_scan():
-    from jax._src.lax.control_flow import loops
-
-    return loops.scan
-
-
 # ``jax.lax.scan`` as JAX defines it, for every loop jaxmem runs. Users swap a library's loops
 # with ``jax.lax.scan = jaxmem.scan``; a loop of jaxmem's called through the public name would
 # then call jaxmem.scan again, without end. Private: ``jax._src.lax.control_flow.loops.scan``
 # (the function ``jax.lax.scan`` re-exports, 0.10.2 and 0.12).
-lax_scan = _lax_scan()
+from jax._src.lax.control_flow import loops as _loops  # noqa: E402
+
+lax_scan = _loops.scan
 
 
 def without_source_traceback():

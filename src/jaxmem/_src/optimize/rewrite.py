@@ -33,8 +33,8 @@ class Found:
     called_from: str  # the innermost frame outside installed packages, when not ``source``
     length: int
     reverse: bool
-    step: Callable | None = None
-    unroll: int | bool = 1  # the step, re-evaluated (for explain)
+    step: Callable | None = None  # the step, re-evaluated (for explain)
+    unroll: int | bool = 1
     init: tuple = ()
     xs: tuple = ()
 

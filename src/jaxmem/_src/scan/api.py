@@ -20,7 +20,6 @@ VJP of steps 3-4 (``jax_compat.hiprim_usable``).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -135,7 +134,7 @@ def scan_residuals(f: Callable, init: Any, xs: Any = None, length: int | None = 
             fname, opts.recompute, opts.offload, opts.unroll, checkpoints, opts.compress
         )
         if slots is None and _primitive.runs_stock(lean, config, init_leaves, xs_leaves, body):
-            summary = dataclasses.replace(summary, stacked=(), stacked_bytes=stock, program="stock")
+            summary = _summary.as_stock(summary)
         plans.append(summary)
 
     jax.eval_shape(trace, init, xs)

@@ -105,3 +105,14 @@ def collect_plans():
         yield plans
     finally:
         _PLAN_COLLECTORS.reset(token)
+
+
+@contextlib.contextmanager
+def quiet_plans():
+    """A block whose scans report no plan (the candidates a loop is compiled as to choose its
+    program: the program that runs reports its own)."""
+    token = _PLAN_COLLECTORS.set(())
+    try:
+        yield
+    finally:
+        _PLAN_COLLECTORS.reset(token)

@@ -25,6 +25,7 @@ The primitive prints as ``jaxmem_scan[length=... reverse=... jaxpr=...]`` in a j
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -35,8 +36,11 @@ from jax.tree_util import tree_unflatten
 
 from jaxmem._src import jax_compat as _jc
 from jaxmem._src.scan import options as _opts
+from jaxmem._src.scan import summary as _summary
 from jaxmem._src.scan import unrolled as _unrolled
 from jaxmem._src.scan.checkpointed import _CheckpointedScan
+from jaxmem._src.scan.hooks import _PLAN_COLLECTORS
+from jaxmem._src.scan.hooks import quiet_plans as _quiet_plans
 from jaxmem._src.scan.lean import _LeanScan
 from jaxmem._src.scan.trace import _drop_forwarded, _prepare
 
@@ -69,10 +73,18 @@ def run(f, init, xs, length, reverse: bool, config: LoopConfig):
         rules = _CheckpointedScan(
             body, length, reverse, config.unroll, slots, config.offload, config.fname, spaces
         )
-    choice = "rolled_backward"
+    choice = None  # the program of a loop unrolled whole (jaxmem._src.scan.unrolled)
     if slots is None and _chooses_unrolled(rules, config):
         choice = _unrolled_choice(rules, config, inputs, body)
         rules.roll_backward = choice == "rolled_backward"
+        collectors = _PLAN_COLLECTORS.get()
+        if collectors:  # the program that runs reports its plan (the candidates did not)
+            with _quiet_plans():
+                step = rules.plan.step
+            summary = rules.summary(step)
+            summary = _summary.as_stock(summary) if choice == "stock" else summary
+            for collector in collectors:
+                collector.append(summary)
     if choice == "stock":
         final, ys = rules._primal(*(list(g) for g in inputs))
     elif _jc.hiprim_usable():
@@ -110,11 +122,8 @@ def _unrolled_choice(rules, config: LoopConfig, inputs, body) -> str:
 
     def lean(roll: bool):
         def program(consts, init, xs):
-            variant = _LeanScan(
-                rules.body, rules.length, rules.reverse, rules.unroll, rules.recompute,
-                rules.offload, rules.fname, rules.spaces, rules.compress,
-            )  # fmt: skip
-            variant.n_consts = rules.n_consts
+            _ = rules.plan  # made once, shared by the copy
+            variant = copy.copy(rules)
             variant.roll_backward = roll
             groups = (tuple(consts), tuple(init), tuple(xs))
             return JaxmemScan(variant, config, groups)(*groups)
@@ -127,8 +136,17 @@ def _unrolled_choice(rules, config: LoopConfig, inputs, body) -> str:
         "stock": lambda consts, init, xs: rules._primal(list(consts), list(init), list(xs)),
     }
     in_avals = tuple(tuple(jax.typeof(v) for v in g) for g in inputs)
-    key = (str(body.jaxpr), in_avals, rules.length, bool(rules.reverse), rules.unroll, config)
-    return _unrolled.choose(key, programs, in_avals)
+    # Not the caller's name: jaxmem.scan and scan_residuals share a choice.
+    key = (
+        str(body.jaxpr),
+        in_avals,
+        rules.length,
+        bool(rules.reverse),
+        rules.unroll,
+        rules.recompute,
+    )
+    with _quiet_plans():  # the candidates report no plan; run reports the one that runs
+        return _unrolled.choose(key, programs, in_avals)
 
 
 def _custom_vjp(rules):

@@ -139,6 +139,14 @@ class ScanPlan:
         return "\n".join(lines)
 
 
+def as_stock(plan: ScanPlan) -> ScanPlan:
+    """``plan`` for a loop that runs as ``lax.scan``'s own VJP (:mod:`jaxmem._src.scan.unrolled`):
+    nothing of jaxmem's kept, ``lax.scan``'s bytes."""
+    return dataclasses.replace(
+        plan, stacked=(), stacked_bytes=plan.stock_stacked_bytes, program="stock"
+    )
+
+
 def _var_source(eqn_of, v, role: str) -> str:
     eqn = eqn_of.get(v)
     if eqn is None:
