@@ -257,27 +257,19 @@ def levanter_cases(s: Sizes, repeats: int) -> list[FrameworkCase]:
     out = []
     for kind in ("llama", "gpt2"):
         for gc in (True, False):
+            shared = dict(
+                max_seq_len=s.seq,
+                hidden_dim=s.emb,
+                num_layers=s.layers,
+                num_heads=s.heads,
+                gradient_checkpointing=gc,
+            )
             if kind == "llama":
-                config = LlamaConfig(
-                    max_seq_len=s.seq,
-                    hidden_dim=s.emb,
-                    intermediate_dim=s.mlp,
-                    num_layers=s.layers,
-                    num_heads=s.heads,
-                    num_kv_heads=s.heads,
-                    head_dim=s.head_dim,
-                    gradient_checkpointing=gc,
-                )
-                model = LlamaLMHeadModel.init(vocab, config, key=jax.random.key(0))
+                llama = dict(intermediate_dim=s.mlp, num_kv_heads=s.heads, head_dim=s.head_dim)
+                config, lm = LlamaConfig(**shared, **llama), LlamaLMHeadModel
             else:
-                config = Gpt2Config(
-                    max_seq_len=s.seq,
-                    hidden_dim=s.emb,
-                    num_layers=s.layers,
-                    num_heads=s.heads,
-                    gradient_checkpointing=gc,
-                )
-                model = Gpt2LMHeadModel.init(vocab, config, key=jax.random.key(0))
+                config, lm = Gpt2Config(**shared), Gpt2LMHeadModel
+            model = lm.init(vocab, config, key=jax.random.key(0))
             params, static = eqx.partition(model, eqx.is_array)
             tokens = hax.random.randint(jax.random.key(1), (batch, config.max_Pos), 0, s.vocab)
 
