@@ -362,7 +362,9 @@ def test_host_memory_is_counted_apart(tmp_path):
 
 def test_reads_buffers_of_a_program_the_persistent_compilation_cache_holds(tmp_path):
     """With JAX's persistent cache on, a program compiled before is compiled again to dump its
-    buffers (a cache hit dumps nothing), and the dump compile leaves the cache as it was."""
+    buffers (a cache hit dumps nothing), and the dump compile leaves the cache as it was. The
+    process runs with MaxText's dump filter in ``XLA_FLAGS`` (only ``jit_train_step`` dumped),
+    which the read overrides."""
     code = """
 import os, sys, tempfile
 import jax, jax.numpy as jnp
@@ -397,6 +399,7 @@ print("peak", first.peak_bytes, second.peak_bytes)
         JAX_COMPILATION_CACHE_DIR=str(tmp_path),
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
         JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+        XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_dump_hlo_module_re=jit_train_step"),
     )
     run = subprocess.run(
         [sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True

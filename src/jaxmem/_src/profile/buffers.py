@@ -68,7 +68,9 @@ __all__ = [
 # Kinds of a buffer, from its allocation.
 KINDS = ("argument", "output", "temp", "constant", "thread-local")
 
-_DUMP_OPTIONS = {"xla_dump_hlo_as_text": True}
+# Every module this compilation makes is dumped, whatever filter XLA_FLAGS names (MaxText sets
+# --xla_dump_hlo_module_re=jit_train_step, which would leave the dump empty).
+_DUMP_OPTIONS = {"xla_dump_hlo_as_text": True, "xla_dump_hlo_module_re": ".*"}
 
 
 # --------------------------------------------------------------------------------------------
