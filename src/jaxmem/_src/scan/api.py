@@ -280,10 +280,12 @@ def scan(
         compress=compress,
     )
     checkpoints = _auto.resolve_checkpoints(opts.policy, opts.checkpoints)
-    f = _opts.apply_policy(f, opts.policy, fname)
+    stepped = _opts.apply_policy(f, opts.policy, fname)
     config = _primitive.LoopConfig(
-        fname, opts.recompute, opts.offload, opts.unroll, checkpoints, opts.compress
-    )
+        fname, opts.recompute, opts.offload, opts.unroll, checkpoints, opts.compress,
+        own_remat=stepped is not f,
+    )  # fmt: skip
+    f = stepped
     try:
         return _primitive.run(f, init, xs, length, bool(reverse), config)
     except (TypeError, NotImplementedError) as e:  # the custom VJP (jax_compat.hiprim_usable)

@@ -25,6 +25,7 @@ from jaxmem._src.scan.common import (
     _live,
     _loop_unroll,
     _pin_invariants,
+    _prevents_cse,
     _primal_scan,
     _scan_loop,
     _to_device,
@@ -117,6 +118,10 @@ class _LeanScan:
         # Where the loop is unrolled whole: whether its backward loop runs rolled
         # (:attr:`backward_unroll`; :mod:`jaxmem._src.scan.unrolled` chooses).
         self.roll_backward = True
+        # Whether the step runs under jaxmem's own jax.checkpoint (scan's policy=): what its
+        # remat recomputes from loop invariants is then kept in the backward loop
+        # (:func:`~jaxmem._src.scan.common._pin_invariants`), as under prevent_cse=True.
+        self.own_remat = False
 
     @functools.cached_property
     def plan(self) -> _Plan:
@@ -268,8 +273,13 @@ class _LeanScan:
         live = _live(step_plan.traced, avals, ct_final, ct_ys)
         float_consts, float_carry, float_x, float_y = live
         rebuild = _jc.jaxpr_as_fun(step_plan.rebuild)
-        remat = _has_remat(_jc.open_jaxpr(self.body.jaxpr))
-        pin_at = [i for i, k in enumerate(step_plan.res_classes) if k == "const"] if remat else []
+        body_jaxpr = _jc.open_jaxpr(self.body.jaxpr)
+        remat = _has_remat(body_jaxpr)
+        pin_at = (
+            [i for i, k in enumerate(step_plan.res_classes) if k == "const"]
+            if remat and (self.own_remat or _prevents_cse(body_jaxpr))
+            else []
+        )
         # Unrolled whole, the backward steps' recomputes sit beside the forward steps'
         # computations in one straight-line program, and XLA would schedule a full remat's
         # recompute (its residuals are the step's inputs alone) in the forward, keeping what it

@@ -55,6 +55,7 @@ class LoopConfig:
     unroll: int | bool
     slots_arg: int | str | None  # the checkpoints argument (None: the lean VJP)
     compress: str | None = None  # the format of the lean VJP's kept float values
+    own_remat: bool = False  # the step runs under jaxmem's policy= (its own jax.checkpoint)
 
 
 def run(f, init, xs, length, reverse: bool, config: LoopConfig):
@@ -69,6 +70,7 @@ def run(f, init, xs, length, reverse: bool, config: LoopConfig):
             body, length, reverse, config.unroll, config.recompute, config.offload,
             config.fname, spaces, config.compress,
         )  # fmt: skip
+        rules.own_remat = config.own_remat
     else:
         rules = _CheckpointedScan(
             body, length, reverse, config.unroll, slots, config.offload, config.fname, spaces
