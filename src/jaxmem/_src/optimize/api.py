@@ -32,7 +32,11 @@ class ScanReport:
       called_from: the line outside installed packages that led to the scan (the user's call
         of ``nn.scan`` say), when it differs from ``source``; else "".
       stock_bytes: what ``lax.scan`` keeps for its gradient (its stacked residuals), or None.
-      kept_bytes: what :func:`jaxmem.scan` keeps, or None.
+        For a loop unrolled whole (one straight-line program, where XLA's schedule decides what
+        is kept), the temp bytes of ``lax.scan``'s gradient of the loop compiled alone.
+      kept_bytes: what :func:`jaxmem.scan` keeps, or None; for a loop unrolled whole, the temp
+        bytes of the gradient of the program that runs it, compiled alone
+        (:attr:`jaxmem.ScanPlan.compiled`).
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -158,7 +162,7 @@ class Optimized:
                         unroll=found.unroll,
                         **_plan_options(self._options(found)),
                     )
-                    stock, kept = plan.stock_stacked_bytes, plan.stacked_bytes
+                    stock, kept = plan.compiled or (plan.stock_stacked_bytes, plan.stacked_bytes)
                 except Exception:  # noqa: BLE001 - a listing only; the rewrite itself is tested
                     pass
                 reports.append(

@@ -20,6 +20,7 @@ VJP of steps 3-4 (``jax_compat.hiprim_usable``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -133,8 +134,14 @@ def scan_residuals(f: Callable, init: Any, xs: Any = None, length: int | None = 
         config = _primitive.LoopConfig(
             fname, opts.recompute, opts.offload, opts.unroll, checkpoints, opts.compress
         )
-        if slots is None and _primitive.runs_stock(lean, config, init_leaves, xs_leaves, body):
-            summary = _summary.as_stock(summary)
+        unrolled = None if slots is not None else _primitive.unrolled_program(
+            lean, config, init_leaves, xs_leaves, body
+        )  # fmt: skip
+        if unrolled is not None:
+            choice, temps = unrolled
+            summary = _summary.as_stock(summary) if choice == "stock" else summary
+            if temps["stock"] is not None and temps[choice] is not None:
+                summary = dataclasses.replace(summary, compiled=(temps["stock"], temps[choice]))
         plans.append(summary)
 
     jax.eval_shape(trace, init, xs)

@@ -97,13 +97,14 @@ def run(f, init, xs, length, reverse: bool, config: LoopConfig):
     return tree_unflatten(body.carry_tree, final), tree_unflatten(body.y_tree, ys)
 
 
-def runs_stock(rules, config: LoopConfig, init_leaves, xs_leaves, body) -> bool:
-    """Whether this loop runs as ``lax.scan``'s own VJP (unrolled whole, where that compiles
-    leaner): what :func:`jaxmem.scan_residuals` reports."""
+def unrolled_program(rules, config: LoopConfig, init_leaves, xs_leaves, body):
+    """For a loop unrolled whole, the program that runs it and the compiled temp bytes of each
+    candidate's gradient on the loop alone (:func:`jaxmem._src.scan.unrolled.measure`); None for
+    any other loop. What :func:`jaxmem.scan_residuals` reports."""
     if not _chooses_unrolled(rules, config):
-        return False
+        return None
     inputs = (tuple(body.consts), tuple(init_leaves), tuple(xs_leaves))
-    return _unrolled_choice(rules, config, inputs, body) == "stock"
+    return _unrolled_choice(rules, config, inputs, body, measured=True)
 
 
 def _chooses_unrolled(rules, config: LoopConfig) -> bool:
@@ -118,9 +119,10 @@ def _chooses_unrolled(rules, config: LoopConfig) -> bool:
     )
 
 
-def _unrolled_choice(rules, config: LoopConfig, inputs, body) -> str:
-    """:func:`jaxmem._src.scan.unrolled.choose` for this loop: its three programs, each a
-    function of ``(consts, init, xs)``."""
+def _unrolled_choice(rules, config: LoopConfig, inputs, body, measured: bool = False):
+    """:func:`jaxmem._src.scan.unrolled.choose` for this loop (with ``measured``, ``measure``:
+    the choice and each candidate's temp): its three programs, each a function of
+    ``(consts, init, xs)``."""
 
     def lean(roll: bool):
         def program(consts, init, xs):
@@ -148,7 +150,8 @@ def _unrolled_choice(rules, config: LoopConfig, inputs, body) -> str:
         rules.recompute,
     )
     with _quiet_plans():  # the candidates report no plan; run reports the one that runs
-        return _unrolled.choose(key, programs, in_avals)
+        found = _unrolled.measure(key, programs, in_avals)
+    return found if measured else found[0]
 
 
 def _custom_vjp(rules):

@@ -66,6 +66,9 @@ class ScanPlan:
       program: ``"lean"``, or ``"stock"`` for a loop unrolled whole whose gradient compiles
         leaner as ``lax.scan``'s own (:mod:`jaxmem._src.scan.unrolled`): it runs so, and then
         ``stacked`` is empty and ``stacked_bytes`` is ``stock_stacked_bytes``.
+      compiled: for a loop unrolled whole, ``(lax.scan's, program's)`` temp bytes of the loop's
+        gradient compiled alone (the figures ``program`` is chosen by: a straight-line program
+        keeps what XLA's schedule keeps, not the stacks counted above); None otherwise.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -91,6 +94,7 @@ class ScanPlan:
     stock_stacked_bytes: int | None
     schedule: Any = None
     program: str = "lean"
+    compiled: tuple[int, int] | None = None
 
     @property
     def ratio(self) -> float | None:
@@ -112,6 +116,8 @@ class ScanPlan:
             "stacked_bytes": self.stacked_bytes,
             "stock_stacked_bytes": self.stock_stacked_bytes,
             "schedule": None if self.schedule is None else dataclasses.asdict(self.schedule),
+            "program": self.program,
+            "compiled": None if self.compiled is None else list(self.compiled),
             "counts": self.counts(),
         }
 

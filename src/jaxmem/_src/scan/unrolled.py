@@ -33,14 +33,20 @@ def choose(key, programs: dict, in_avals: tuple) -> str:
     """The candidate whose gradient compiles to the least temp (:data:`CANDIDATES` order on
     ties). ``programs[name](consts, init, xs) -> (final, ys)`` (lists of leaves); ``in_avals``
     the types of ``(consts, init, xs)``; ``key`` identifies the loop for the cache."""
+    return measure(key, programs, in_avals)[0]
+
+
+def measure(key, programs: dict, in_avals: tuple) -> tuple[str, dict]:
+    """:func:`choose`'s choice and the compiled temp bytes of each candidate (None where one
+    does not compile alone), cached by ``key``."""
     cached = _CHOICES.get(key)
     if cached is not None:
         return cached
     temps = {name: _compiled_temp(programs[name], in_avals) for name in CANDIDATES}
     known = {n: t for n, t in temps.items() if t is not None}
     choice = min(known, key=lambda n: (known[n], CANDIDATES.index(n))) if known else CANDIDATES[0]
-    _CHOICES[key] = choice
-    return choice
+    _CHOICES[key] = (choice, temps)
+    return choice, temps
 
 
 _CHOICES: dict = {}
