@@ -7,7 +7,8 @@
 # Python and jax it uses. TEST_ARGS picks what pytest runs (default: the whole suite).
 #   make test-compat   the oldest supported set-up: PYTHON=python3.11 (pip gives jax 0.10.2),
 #                      TEST_ARGS="tests src/jaxmem README.md docs": everything but the notebooks and
-#                      the tests of the demo and benchmark scripts (SCRIPT_TESTS)
+#                      the tests of the demo and benchmark scripts (SCRIPT_TESTS), and a third of
+#                      the seeds of the random-body suites (JAXMEM_SAMPLE_EVERY=3, conftest.py)
 #   make test PYTHON=python3.11 TEST_ARGS=tests/test_api.py   any interpreter, any selection
 
 # $(call resolve,python3.13): absolute path of that interpreter, empty when it does not run. A
@@ -49,7 +50,7 @@ test: $(STAMP)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadscope -q $(TEST_ARGS)
 
 test-compat:
-	$(MAKE) test PYTHON=python3.11 TEST_ARGS="$(SLOW_FIRST) tests src/jaxmem README.md docs $(SCRIPT_TESTS)"
+	JAXMEM_SAMPLE_EVERY=3 $(MAKE) test PYTHON=python3.11 TEST_ARGS="$(SLOW_FIRST) tests src/jaxmem README.md docs $(SCRIPT_TESTS)"
 
 # The tests of the demo and benchmark scripts (code outside the library, whose JAX-dependent
 # parts the library tests cover on both versions) run on the newest Python only: CI time. So

@@ -342,6 +342,7 @@ def test_bodies_are_varied():
     assert 20 <= sum(b.prevent_cse for b in with_policy) <= len(with_policy) - 20
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("seed", range(N_BODIES))
 def test_random_body_is_not_above_stock(seed):
     body = draw_body(seed)

@@ -548,6 +548,7 @@ def test_chain_batches_are_varied():
     assert all(any(op in CHOOSER_OPS for op, *_ in ch.ops) for ch in chains)
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("seed", range(N_SMALL_BATCHES + N_BIG_BATCHES))
 def test_chooser_bodies_gradients_match_lax_scan(seed):
     check_chooser_batch(seed)

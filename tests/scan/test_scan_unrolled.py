@@ -66,6 +66,7 @@ KNOWN_ABOVE = (22, 25) if _ON_0_10 else (25,)
 N_UNROLLED = 32
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("seed", range(N_UNROLLED))
 def test_random_body_unrolled_whole_is_not_above_stock(seed):
     body = dataclasses.replace(mem.draw_body(seed), unroll=True)
