@@ -92,6 +92,7 @@ QUICK = Sizes(layers=2, emb=32, mlp=64, heads=2, head_dim=16, vocab=128, batch=2
 
 MAXTEXT_POLICIES = (
     "full",  # MaxText's default
+    "none",  # the scanned layer still runs under jax.checkpoint
     "minimal",
     "minimal_with_context",
     "save_dot_with_context_except_mlp",
