@@ -111,7 +111,8 @@ def scan_residuals(f: Callable, init: Any, xs: Any = None, length: int | None = 
         compress=kwargs.get("compress"),
     )
     checkpoints = _auto.resolve_checkpoints(opts.policy, opts.checkpoints)
-    f = _opts.apply_policy(f, opts.policy, fname)
+    stepped = _opts.apply_policy(f, opts.policy, fname)
+    own_remat, f = stepped is not f, stepped
 
     def trace(init, xs):
         prepared = _prepare(f, init, xs, length, fname, diff_consts=True)
@@ -122,6 +123,7 @@ def scan_residuals(f: Callable, init: Any, xs: Any = None, length: int | None = 
             body, n, reverse, opts.unroll, opts.recompute, opts.offload, fname,
             compress=opts.compress,
         )  # fmt: skip
+        lean.own_remat = own_remat  # as jaxmem.scan runs it (primitive.run)
         plan = lean.plan
         step = plan.step
         schedule = None
@@ -132,8 +134,9 @@ def scan_residuals(f: Callable, init: Any, xs: Any = None, length: int | None = 
         stock = _stock_stacked_bytes(lean.body, step, n)
         summary = _summary.summarize(step, n, stock, schedule)
         config = _primitive.LoopConfig(
-            fname, opts.recompute, opts.offload, opts.unroll, checkpoints, opts.compress
-        )
+            fname, opts.recompute, opts.offload, opts.unroll, checkpoints, opts.compress,
+            own_remat=own_remat,
+        )  # fmt: skip
         unrolled = None if slots is not None else _primitive.unrolled_program(
             lean, config, init_leaves, xs_leaves, body
         )  # fmt: skip
@@ -288,11 +291,11 @@ def scan(
     )
     checkpoints = _auto.resolve_checkpoints(opts.policy, opts.checkpoints)
     stepped = _opts.apply_policy(f, opts.policy, fname)
+    own_remat, f = stepped is not f, stepped
     config = _primitive.LoopConfig(
         fname, opts.recompute, opts.offload, opts.unroll, checkpoints, opts.compress,
-        own_remat=stepped is not f,
+        own_remat=own_remat,
     )  # fmt: skip
-    f = stepped
     try:
         return _primitive.run(f, init, xs, length, bool(reverse), config)
     except (TypeError, NotImplementedError) as e:  # the custom VJP (jax_compat.hiprim_usable)

@@ -77,7 +77,7 @@ def run(f, init, xs, length, reverse: bool, config: LoopConfig):
         )
     choice = None  # the program of a loop unrolled whole (jaxmem._src.scan.unrolled)
     if slots is None and _chooses_unrolled(rules, config):
-        choice = _unrolled_choice(rules, config, inputs, body)
+        choice, _ = _unrolled_choice(rules, config, inputs, body)
         rules.roll_backward = choice == "rolled_backward"
         collectors = _PLAN_COLLECTORS.get()
         if collectors:  # the program that runs reports its plan (the candidates did not)
@@ -104,7 +104,7 @@ def unrolled_program(rules, config: LoopConfig, init_leaves, xs_leaves, body):
     if not _chooses_unrolled(rules, config):
         return None
     inputs = (tuple(body.consts), tuple(init_leaves), tuple(xs_leaves))
-    return _unrolled_choice(rules, config, inputs, body, measured=True)
+    return _unrolled_choice(rules, config, inputs, body)
 
 
 def _chooses_unrolled(rules, config: LoopConfig) -> bool:
@@ -119,10 +119,9 @@ def _chooses_unrolled(rules, config: LoopConfig) -> bool:
     )
 
 
-def _unrolled_choice(rules, config: LoopConfig, inputs, body, measured: bool = False):
-    """:func:`jaxmem._src.scan.unrolled.choose` for this loop (with ``measured``, ``measure``:
-    the choice and each candidate's temp): its three programs, each a function of
-    ``(consts, init, xs)``."""
+def _unrolled_choice(rules, config: LoopConfig, inputs, body) -> tuple[str, dict]:
+    """:func:`jaxmem._src.scan.unrolled.measure` for this loop (the choice and each candidate's
+    temp): its three programs, each a function of ``(consts, init, xs)``."""
 
     def lean(roll: bool):
         def program(consts, init, xs):
@@ -148,10 +147,10 @@ def _unrolled_choice(rules, config: LoopConfig, inputs, body, measured: bool = F
         bool(rules.reverse),
         rules.unroll,
         rules.recompute,
+        rules.own_remat,  # the backward loop pins loop invariants (or not)
     )
     with _quiet_plans():  # the candidates report no plan; run reports the one that runs
-        found = _unrolled.measure(key, programs, in_avals)
-    return found if measured else found[0]
+        return _unrolled.measure(key, programs, in_avals)
 
 
 def _custom_vjp(rules):

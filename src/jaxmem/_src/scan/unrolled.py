@@ -29,16 +29,11 @@ import jax.numpy as jnp
 CANDIDATES = ("rolled_backward", "unrolled", "stock")
 
 
-def choose(key, programs: dict, in_avals: tuple) -> str:
-    """The candidate whose gradient compiles to the least temp (:data:`CANDIDATES` order on
-    ties). ``programs[name](consts, init, xs) -> (final, ys)`` (lists of leaves); ``in_avals``
-    the types of ``(consts, init, xs)``; ``key`` identifies the loop for the cache."""
-    return measure(key, programs, in_avals)[0]
-
-
 def measure(key, programs: dict, in_avals: tuple) -> tuple[str, dict]:
-    """:func:`choose`'s choice and the compiled temp bytes of each candidate (None where one
-    does not compile alone), cached by ``key``."""
+    """The candidate whose gradient compiles to the least temp (:data:`CANDIDATES` order on
+    ties), and the compiled temp bytes of each (None where one does not compile alone).
+    ``programs[name](consts, init, xs) -> (final, ys)`` (lists of leaves); ``in_avals`` the
+    types of ``(consts, init, xs)``; ``key`` identifies the loop for the cache."""
     cached = _CHOICES.get(key)
     if cached is not None:
         return cached
