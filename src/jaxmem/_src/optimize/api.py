@@ -31,12 +31,14 @@ class ScanReport:
       why: why it was left alone ("" when rewritten).
       called_from: the line outside installed packages that led to the scan (the user's call
         of ``nn.scan`` say), when it differs from ``source``; else "".
-      stock_bytes: what ``lax.scan`` keeps for its gradient (its stacked residuals), or None.
-        For a loop unrolled whole (one straight-line program, where XLA's schedule decides what
-        is kept), the temp bytes of ``lax.scan``'s gradient of the loop compiled alone.
-      kept_bytes: what :func:`jaxmem.scan` keeps, or None; for a loop unrolled whole, the temp
-        bytes of the gradient of the program that runs it, compiled alone
-        (:attr:`jaxmem.ScanPlan.compiled`).
+      stock_bytes: the temp bytes of the gradient of the loop under ``lax.scan``, compiled
+        alone (:attr:`jaxmem.ScanPlan.compiled`): its stacked residuals and the backward step's
+        temporaries, as XLA schedules them. Where the loop does not compile alone (its types
+        name a ``shard_map``'s manual axes), what ``lax.scan`` stacks; None where neither is
+        known.
+      kept_bytes: the same for the program that runs the loop (:func:`jaxmem.scan`'s lean VJP,
+        or the program chosen for a loop unrolled whole); where it does not compile alone,
+        what :func:`jaxmem.scan` stacks.
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -142,8 +144,9 @@ class Optimized:
         )
 
     def explain(self, *args, **kwargs) -> Explanation:
-        """Each scan of the function at these arguments: rewritten (with the bytes its gradient
-        keeps, ``lax.scan``'s and jaxmem's) or left alone, and why."""
+        """Each scan of the function at these arguments: rewritten (with the temp bytes of its
+        gradient, ``lax.scan``'s and jaxmem's, each loop compiled alone: two compilations per
+        scan) or left alone, and why."""
         rewriter = _rw.Rewriter(self._options, rewrite=False)
         closed, arrays, _ = self._traced(args, kwargs)
         reports = []
@@ -153,7 +156,7 @@ class Optimized:
             for found in rewriter.found:
                 stock = kept = None
                 try:
-                    plan = _scan_api.scan_residuals(
+                    plan = _scan_api.measured_plan(
                         found.step,
                         list(found.init),
                         list(found.xs) if found.xs else None,

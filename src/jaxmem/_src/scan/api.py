@@ -90,6 +90,19 @@ def scan_residuals(f: Callable, init: Any, xs: Any = None, length: int | None = 
       >>> plan.stacked_bytes, plan.ratio <= 0.5  # lax.scan also stacks h and tanh's residuals
       (2048, True)
     """
+    return _residual_plan(f, init, xs, length, kwargs, measure=False)
+
+
+def measured_plan(f: Callable, init: Any, xs: Any = None, length: int | None = None, **kwargs):
+    """:func:`scan_residuals`' plan with :attr:`ScanPlan.compiled` for every loop that compiles
+    alone (a rolled loop too: two more compilations, its gradient under ``lax.scan`` and under
+    the program that runs it). What :meth:`jaxmem.Optimized.explain` reports: the stacks are
+    not all that a gradient keeps (the backward step's temporaries, what XLA's schedule
+    overlaps)."""
+    return _residual_plan(f, init, xs, length, kwargs, measure=True)
+
+
+def _residual_plan(f, init, xs, length, kwargs, *, measure: bool):
     known = {"reverse", "unroll", "recompute", "policy", "offload", "checkpoints", "compress"}
     unknown = set(kwargs) - known
     if unknown:
@@ -145,6 +158,10 @@ def scan_residuals(f: Callable, init: Any, xs: Any = None, length: int | None = 
             summary = _summary.as_stock(summary) if choice == "stock" else summary
             if temps["stock"] is not None and temps[choice] is not None:
                 summary = dataclasses.replace(summary, compiled=(temps["stock"], temps[choice]))
+        elif measure and slots is None:
+            temps = _primitive.loop_temps(lean, config, init_leaves, xs_leaves, body)
+            if None not in temps:
+                summary = dataclasses.replace(summary, compiled=temps)
         plans.append(summary)
 
     jax.eval_shape(trace, init, xs)

@@ -107,6 +107,25 @@ def unrolled_program(rules, config: LoopConfig, init_leaves, xs_leaves, body):
     return _unrolled_choice(rules, config, inputs, body)
 
 
+def loop_temps(rules, config: LoopConfig, init_leaves, xs_leaves, body) -> tuple:
+    """The compiled temp bytes of the loop's gradient alone, ``(lax.scan's, jaxmem's)`` (each
+    None where it does not compile alone), by :func:`jaxmem._src.scan.unrolled.compiled_temp`."""
+    inputs = (tuple(body.consts), tuple(init_leaves), tuple(xs_leaves))
+    in_avals = tuple(tuple(jax.typeof(v) for v in g) for g in inputs)
+
+    def stock(consts, init, xs):
+        return rules._primal(list(consts), list(init), list(xs))
+
+    def lean(consts, init, xs):
+        groups = (tuple(consts), tuple(init), tuple(xs))
+        if _jc.hiprim_usable():
+            return JaxmemScan(rules, config, groups)(*groups)
+        return _custom_vjp(rules)(*(list(g) for g in groups))
+
+    with _quiet_plans():
+        return tuple(_unrolled.compiled_temp(p, in_avals) for p in (stock, lean))
+
+
 def _chooses_unrolled(rules, config: LoopConfig) -> bool:
     """Whether the program of a loop unrolled whole is chosen by compiling (not with offload or
     compress, which ask for the lean VJP's stacks)."""

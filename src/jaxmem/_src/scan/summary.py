@@ -68,7 +68,8 @@ class ScanPlan:
         ``stacked`` is empty and ``stacked_bytes`` is ``stock_stacked_bytes``.
       compiled: for a loop unrolled whole, ``(lax.scan's, program's)`` temp bytes of the loop's
         gradient compiled alone (the figures ``program`` is chosen by: a straight-line program
-        keeps what XLA's schedule keeps, not the stacks counted above); None otherwise.
+        keeps what XLA's schedule keeps, not the stacks counted above); None otherwise. The
+        plans :meth:`jaxmem.Optimized.explain` reports hold it for rolled loops too.
 
     Examples:
       >>> import jax.numpy as jnp

@@ -37,7 +37,7 @@ def measure(key, programs: dict, in_avals: tuple) -> tuple[str, dict]:
     cached = _CHOICES.get(key)
     if cached is not None:
         return cached
-    temps = {name: _compiled_temp(programs[name], in_avals) for name in CANDIDATES}
+    temps = {name: compiled_temp(programs[name], in_avals) for name in CANDIDATES}
     known = {n: t for n, t in temps.items() if t is not None}
     choice = min(known, key=lambda n: (known[n], CANDIDATES.index(n))) if known else CANDIDATES[0]
     _CHOICES[key] = (choice, temps)
@@ -47,7 +47,7 @@ def measure(key, programs: dict, in_avals: tuple) -> tuple[str, dict]:
 _CHOICES: dict = {}
 
 
-def _compiled_temp(program, in_avals) -> int | None:
+def compiled_temp(program, in_avals) -> int | None:
     """Compiled temp bytes of the gradient of a sum of squares of ``program``'s float outputs
     with respect to its float inputs; None where it does not compile on its own (a loop inside
     ``shard_map`` whose types name manual axes)."""
