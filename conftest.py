@@ -47,27 +47,39 @@ if _CACHE is not None:  # also where a plugin imported jax before the variables 
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-# The random-body suites (tests marked ``sampled``, parametrized by ``seed``) run every seed by
-# default; with JAXMEM_SAMPLE_EVERY=k (make test-compat sets it) only the seeds divisible by k,
-# for CI time: the oldest jax runs a third of each draw, the newest all of it. Named seeds (the
-# known gaps, the fixed ones) are not marked and always run.
+# Tests marked ``sampled`` (the random-body suites, parametrized by ``seed``, and the largest
+# option-by-transformation matrices) run every case by default; with JAXMEM_SAMPLE_EVERY=k
+# (make test-compat sets it) one case in k, for CI time: the oldest jax runs a third of each, the
+# newest all of it. A seeded draw keeps the seeds divisible by k; another matrix keeps every k-th
+# case in collection order (tests/scan/test_primitive.py orders its matrix so that every
+# transformation still runs). Named seeds (the known gaps, the fixed ones) are not marked and
+# always run.
 _SAMPLE_EVERY = int(os.environ.get("JAXMEM_SAMPLE_EVERY", "1"))
 
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "sampled: a seeded random draw that JAXMEM_SAMPLE_EVERY=k thins to 1 seed in k"
+        "markers",
+        "sampled: a random draw or a large matrix that JAXMEM_SAMPLE_EVERY=k thins to 1 case in k",
     )
 
 
 def pytest_collection_modifyitems(config, items):
     if _SAMPLE_EVERY <= 1:
         return
-    kept, dropped = [], []
+    kept, dropped, position = [], [], {}
     for item in items:
-        seed = getattr(getattr(item, "callspec", None), "params", {}).get("seed")
-        thinned = item.get_closest_marker("sampled") and isinstance(seed, int)
-        (dropped if thinned and seed % _SAMPLE_EVERY else kept).append(item)
+        callspec = getattr(item, "callspec", None)
+        if callspec is None or not item.get_closest_marker("sampled"):
+            kept.append(item)
+            continue
+        seed = callspec.params.get("seed")
+        if isinstance(seed, int):
+            index = seed
+        else:
+            name = item.nodeid.split("[")[0]
+            index = position[name] = position.get(name, -1) + 1
+        (dropped if index % _SAMPLE_EVERY else kept).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept

@@ -129,6 +129,7 @@ def corpus_results(name: str):
     return jax.jit(lambda *a: {kind: f(*a) for kind, f in fns.items()})(*args)
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("name", list(CASES))
 def test_corpus_matches_lax_scan(name):
     results = corpus_results(name)
