@@ -33,12 +33,12 @@ class ScanReport:
         of ``nn.scan`` say), when it differs from ``source``; else "".
       stock_bytes: the temp bytes of the gradient of the loop under ``lax.scan``, compiled
         alone (:attr:`jaxmem.ScanPlan.compiled`): its stacked residuals and the backward step's
-        temporaries, as XLA schedules them. Where the loop does not compile alone (its types
-        name a ``shard_map``'s manual axes), what ``lax.scan`` stacks; None where neither is
-        known.
+        temporaries, as XLA schedules them. Under ``checkpoints=``, or where the loop does not
+        compile alone (its types name a ``shard_map``'s manual axes), what ``lax.scan``
+        stacks; None where neither is known.
       kept_bytes: the same for the program that runs the loop (:func:`jaxmem.scan`'s lean VJP,
-        or the program chosen for a loop unrolled whole); where it does not compile alone,
-        what :func:`jaxmem.scan` stacks.
+        or the program chosen for a loop unrolled whole); under ``checkpoints=`` or where it
+        does not compile alone, what :func:`jaxmem.scan` stacks.
 
     Examples:
       >>> import jax, jax.numpy as jnp

@@ -89,12 +89,19 @@ def run(f, init, xs, length, reverse: bool, config: LoopConfig):
                 collector.append(summary)
     if choice == "stock":
         final, ys = rules._primal(*(list(g) for g in inputs))
-    elif _jc.hiprim_usable():
-        final, ys = JaxmemScan(rules, config, inputs)(*inputs)
-    else:  # a custom VJP (jax 0.10.2 checking leaks): forward mode raises JAX's TypeError
-        final, ys = _custom_vjp(rules)(*(list(g) for g in inputs))
+    else:
+        final, ys = _bind(rules, config, inputs)
     final, ys = restore(final, ys)
     return tree_unflatten(body.carry_tree, final), tree_unflatten(body.y_tree, ys)
+
+
+def _bind(rules, config: LoopConfig, inputs):
+    """The loop on ``inputs`` ``(consts, init, xs)``: a ``jaxmem_scan`` of its rules, or their
+    custom VJP where the primitive is not usable (jax 0.10.2 checking leaks: there forward mode
+    raises JAX's TypeError)."""
+    if _jc.hiprim_usable():
+        return JaxmemScan(rules, config, inputs)(*inputs)
+    return _custom_vjp(rules)(*(list(g) for g in inputs))
 
 
 def unrolled_program(rules, config: LoopConfig, init_leaves, xs_leaves, body):
@@ -117,10 +124,7 @@ def loop_temps(rules, config: LoopConfig, init_leaves, xs_leaves, body) -> tuple
         return rules._primal(list(consts), list(init), list(xs))
 
     def lean(consts, init, xs):
-        groups = (tuple(consts), tuple(init), tuple(xs))
-        if _jc.hiprim_usable():
-            return JaxmemScan(rules, config, groups)(*groups)
-        return _custom_vjp(rules)(*(list(g) for g in groups))
+        return _bind(rules, config, (tuple(consts), tuple(init), tuple(xs)))
 
     with _quiet_plans():
         return tuple(_unrolled.compiled_temp(p, in_avals) for p in (stock, lean))
