@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxmem._src import checks
@@ -39,6 +40,11 @@ class ScanReport:
       kept_bytes: the same for the program that runs the loop (:func:`jaxmem.scan`'s lean VJP,
         or the program chosen for a loop unrolled whole); under ``checkpoints=`` or where it
         does not compile alone, what :func:`jaxmem.scan` stacks.
+      saved_bytes: the temp bytes the function's ``jax.value_and_grad`` (with respect to its
+        float arguments) saves when this scan alone is rewritten, both programs compiled
+        whole: the loop's saving as XLA schedules it among the rest of the function. None
+        where the function does not return one float scalar (a loss), or for a scan nested in
+        another scan's step.
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -58,6 +64,7 @@ class ScanReport:
     called_from: str = ""
     stock_bytes: int | None = None
     kept_bytes: int | None = None
+    saved_bytes: int | None = None
 
     def __str__(self) -> str:
         if not self.rewritten:
@@ -65,6 +72,8 @@ class ScanReport:
         kept = ""
         if self.stock_bytes is not None and self.kept_bytes is not None:
             kept = f", kept {_mib(self.stock_bytes)} -> {_mib(self.kept_bytes)}"
+        if self.saved_bytes is not None:
+            kept += f", the gradient's temp {_mib(self.saved_bytes)} less"
         via = f", called from {self.called_from}" if self.called_from else ""
         return f"rewritten: scan of {self.length} steps at {self.source}{via}{kept}"
 
@@ -146,13 +155,16 @@ class Optimized:
     def explain(self, *args, **kwargs) -> Explanation:
         """Each scan of the function at these arguments: rewritten (with the temp bytes of its
         gradient, ``lax.scan``'s and jaxmem's, each loop compiled alone: two compilations per
-        scan) or left alone, and why."""
+        scan; for a loss, what the loss's gradient saves by it: one compilation more per scan
+        and one of the loss as it is) or left alone, and why."""
         rewriter = _rw.Rewriter(self._options, rewrite=False)
         closed, arrays, _ = self._traced(args, kwargs)
         reports = []
+        outer = []
 
         def run(*a):
             rewriter.eval_closed(closed, a)
+            outer.append(len(rewriter.found))  # those after it are nested in a scan's step
             for found in rewriter.found:
                 stock = kept = None
                 try:
@@ -174,9 +186,51 @@ class Optimized:
             return []
 
         jax.eval_shape(run, *arrays)
+        saved = _savings_in_context(closed, arrays, self._options, outer[0])
+        reports[: len(saved)] = [
+            dataclasses.replace(r, saved_bytes=b) for r, b in zip(reports, saved, strict=False)
+        ]
         for source, why in _rw.left_alone(_jc.open_jaxpr(closed)):
             reports.append(ScanReport(source, 0, False, why))
         return Explanation(tuple(reports))
+
+
+def _savings_in_context(closed, arrays: list, options: Callable, count: int) -> list[int]:
+    """For each of the first ``count`` scans met outside any scan's step: the temp bytes of the
+    function's ``value_and_grad`` (with respect to its float arguments) under ``lax.scan`` less
+    that with this scan alone rewritten. ``[]`` where the function is not a loss (one float
+    scalar) or a program does not compile."""
+
+    def evaluate(only, a):
+        return _rw.Rewriter(options, rewrite=only is not None, only=only).eval_closed(closed, a)
+
+    out = jax.eval_shape(lambda *a: evaluate(None, a), *arrays)
+    floats = [i for i, x in enumerate(arrays) if jnp.issubdtype(x.dtype, jnp.floating)]
+    if (
+        count == 0
+        or not floats
+        or len(out) != 1
+        or out[0].shape != ()
+        or not jnp.issubdtype(out[0].dtype, jnp.floating)
+    ):
+        return []
+    others = [x for i, x in enumerate(arrays) if i not in floats]
+
+    def temp(only) -> int:
+        def loss(params, rest):
+            p, r = iter(params), iter(rest)
+            a = [next(p) if i in floats else next(r) for i in range(len(arrays))]
+            return evaluate(only, a)[0]
+
+        grad = jax.jit(jax.value_and_grad(loss))
+        compiled = grad.lower([arrays[i] for i in floats], others).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    try:
+        stock = temp(None)
+        return [stock - temp(i) for i in range(count)]
+    except Exception:  # noqa: BLE001 - a listing only; the per-loop figures stand
+        return []
 
 
 def _plan_options(options: dict) -> dict:

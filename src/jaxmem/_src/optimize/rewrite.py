@@ -45,11 +45,16 @@ class Rewriter:
 
     ``options(found) -> dict`` gives the keyword arguments of :func:`jaxmem.scan` for one scan
     (``recompute``, ``policy``, ``offload``, ``checkpoints``). ``found`` collects every scan met.
+    ``only``: rewrite the scan of this index among those outside any scan's body (in the order
+    met; the scans nested in it are rewritten with it), and bind the others as they are.
     """
 
     options: Callable[[Found], dict]
     found: list[Found] = dataclasses.field(default_factory=list)
     rewrite: bool = True
+    only: int | None = None
+    _outer: int = 0  # scans met outside any scan's body so far
+    _depth: int = 0  # scan bodies being evaluated
 
     def eval_closed(self, closed, args: Sequence) -> list:
         """Evaluates a closed jaxpr (0.10 ``ClosedJaxpr``, 0.12 ``Jaxpr``) on ``args``."""
@@ -106,7 +111,11 @@ class Rewriter:
         body = self._sub(params["jaxpr"])
 
         def step(carry, x):
-            outs = body(*consts, *carry, *(x or ()))
+            self._depth += 1
+            try:
+                outs = body(*consts, *carry, *(x or ()))
+            finally:
+                self._depth -= 1
             return list(outs[:n_carry]), list(outs[n_carry:])
 
         found = Found(
@@ -119,7 +128,11 @@ class Rewriter:
             xs=tuple(xs),
         )
         self.found.append(found)
-        if not self.rewrite:
+        skipped = False
+        if self._depth == 0:
+            skipped = self.only is not None and self._outer != self.only
+            self._outer += 1
+        if not self.rewrite or skipped:
             return _jc.bind_eqn(eqn, invals)
         carry, ys = _scan_api.scan(
             step,
