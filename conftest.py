@@ -48,24 +48,27 @@ if _CACHE is not None:  # also where a plugin imported jax before the variables 
 
 
 # Tests marked ``sampled`` (the random-body suites, parametrized by ``seed``, and the largest
-# option-by-transformation matrices) run every case by default; with JAXMEM_SAMPLE_EVERY=k
-# (make test-compat sets it) one case in k, for CI time: the oldest jax runs a third of each, the
-# newest all of it. A seeded draw keeps the seeds divisible by k; another matrix keeps every k-th
-# case in collection order (tests/scan/test_primitive.py orders its matrix so that every
-# transformation still runs). Named seeds (the known gaps, the fixed ones) are not marked and
-# always run.
+# option-by-transformation matrices) run every case by default. For CI time, JAXMEM_SAMPLE_EVERY=k
+# keeps one case in k (those of index 0 mod k: make test-compat, the oldest jax) and
+# JAXMEM_SAMPLE_OTHERS=k the rest (.ci/run's make test, the newest jax), so that one CI run runs
+# each case once, on one of the two versions. A seeded draw's index is its seed; another
+# matrix's, its position in collection order (tests/scan/test_primitive.py orders its matrix so
+# that every transformation runs on both). Named seeds (the known gaps, the fixed ones) are not
+# marked and always run.
 _SAMPLE_EVERY = int(os.environ.get("JAXMEM_SAMPLE_EVERY", "1"))
+_SAMPLE_OTHERS = int(os.environ.get("JAXMEM_SAMPLE_OTHERS", "1"))
 
 
 def pytest_configure(config):
     config.addinivalue_line(
         "markers",
-        "sampled: a random draw or a large matrix that JAXMEM_SAMPLE_EVERY=k thins to 1 case in k",
+        "sampled: a random draw or a large matrix that JAXMEM_SAMPLE_EVERY=k thins to 1 case in k"
+        " (JAXMEM_SAMPLE_OTHERS=k: to the others)",
     )
 
 
 def pytest_collection_modifyitems(config, items):
-    if _SAMPLE_EVERY <= 1:
+    if _SAMPLE_EVERY <= 1 and _SAMPLE_OTHERS <= 1:
         return
     kept, dropped, position = [], [], {}
     for item in items:
@@ -79,7 +82,8 @@ def pytest_collection_modifyitems(config, items):
         else:
             name = item.nodeid.split("[")[0]
             index = position[name] = position.get(name, -1) + 1
-        (dropped if index % _SAMPLE_EVERY else kept).append(item)
+        keep = index % _SAMPLE_EVERY == 0 and (_SAMPLE_OTHERS <= 1 or index % _SAMPLE_OTHERS != 0)
+        (kept if keep else dropped).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
