@@ -52,27 +52,26 @@ def measure(key, programs: dict, in_avals: tuple) -> tuple[str, dict]:
     temps = {name: compiled_temp(programs[name], in_avals) for name in CANDIDATES}
     known = {n: t for n, t in temps.items() if t is not None}
     ranked = sorted(known, key=lambda n: (known[n], CANDIDATES.index(n)))
-    choice = CANDIDATES[0]
-    if ranked:
-        stock = {}  # part -> stock's temp under it
-
-        def within(name: str) -> bool:
-            for part in _parts(programs["stock"], in_avals):
-                if part not in stock:
-                    stock[part] = compiled_temp(programs["stock"], in_avals, part)
-                ours = compiled_temp(programs[name], in_avals, part)
-                if None not in (ours, stock[part]):
-                    if ours > SLACK_RATIO * stock[part] + SLACK_BYTES:
-                        return False
-            return True
-
-        unchecked = "stock" not in known  # nothing to compare with: the leanest runs
-        choice = next(n for n in ranked if unchecked or n == "stock" or within(n))
+    choice = ranked[0] if ranked else CANDIDATES[0]
+    if "stock" in known and choice != "stock":  # without stock's figures, the leanest runs
+        parts = _parts(programs["stock"], in_avals)
+        bounds = {p: compiled_temp(programs["stock"], in_avals, p) for p in parts}
+        choice = next(n for n in ranked if n == "stock" or _within(programs[n], in_avals, bounds))
     _CHOICES[key] = (choice, temps)
     return choice, temps
 
 
 _CHOICES: dict = {}
+
+
+def _within(program, in_avals, bounds: dict) -> bool:
+    """Whether ``program``'s temp under each partial loss is within the slack of stock's
+    (``bounds``: part -> stock's temp; a figure that does not compile is not held against it)."""
+    for part, stock in bounds.items():
+        ours = compiled_temp(program, in_avals, part)
+        if None not in (ours, stock) and ours > SLACK_RATIO * stock + SLACK_BYTES:
+            return False
+    return True
 
 
 def _parts(program, in_avals) -> tuple[str, ...]:
