@@ -34,6 +34,7 @@ from jaxmem._src.scan import options as _opts
 from jaxmem._src.scan import primitive as _primitive
 from jaxmem._src.scan import schedule as _schedule
 from jaxmem._src.scan import summary as _summary
+from jaxmem._src.scan import unrolled as _unrolled
 from jaxmem._src.scan.lean import _LeanScan, _stock_stacked_bytes
 from jaxmem._src.scan.trace import _drop_forwarded, _prepare
 
@@ -155,7 +156,7 @@ def _residual_plan(f, init, xs, length, kwargs, *, measure: bool):
         )  # fmt: skip
         if unrolled is not None:
             choice, temps = unrolled
-            summary = _summary.as_stock(summary) if choice == "stock" else summary
+            summary = _summary.as_stock(summary) if choice in _unrolled.STOCK else summary
             if temps["stock"] is not None and temps[choice] is not None:
                 summary = dataclasses.replace(summary, compiled=(temps["stock"], temps[choice]))
         elif measure and slots is None:

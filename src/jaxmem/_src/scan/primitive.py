@@ -84,11 +84,11 @@ def run(f, init, xs, length, reverse: bool, config: LoopConfig):
             with _quiet_plans():
                 step = rules.plan.step
             summary = rules.summary(step)
-            summary = _summary.as_stock(summary) if choice == "stock" else summary
+            summary = _summary.as_stock(summary) if choice in _unrolled.STOCK else summary
             for collector in collectors:
                 collector.append(summary)
-    if choice == "stock":
-        final, ys = rules._primal(*(list(g) for g in inputs))
+    if choice in _unrolled.STOCK:
+        final, ys = _stock_program(rules, choice == "stock_prevent_cse")(*inputs)
     else:
         final, ys = _bind(rules, config, inputs)
     final, ys = restore(final, ys)
@@ -159,8 +159,10 @@ def _unrolled_choice(rules, config: LoopConfig, inputs, body) -> tuple[str, dict
     programs = {
         "rolled_backward": lean(True),
         "unrolled": lean(False),
-        "stock": lambda consts, init, xs: rules._primal(list(consts), list(init), list(xs)),
+        "stock": _stock_program(rules, False),
     }
+    if rules.own_remat and rules.body.preventing_cse() is not None:
+        programs["stock_prevent_cse"] = _stock_program(rules, True)
     in_avals = tuple(tuple(jax.typeof(v) for v in g) for g in inputs)
     # Not the caller's name: jaxmem.scan and scan_residuals share a choice.
     key = (
@@ -174,6 +176,18 @@ def _unrolled_choice(rules, config: LoopConfig, inputs, body) -> tuple[str, dict
     )
     with _quiet_plans():  # the candidates report no plan; run reports the one that runs
         return _unrolled.measure(key, programs, in_avals)
+
+
+def _stock_program(rules, prevent_cse: bool):
+    """``lax.scan``'s own program for the loop, a function of ``(consts, init, xs)``; with
+    ``prevent_cse``, of the step with each ``jax.checkpoint`` at ``prevent_cse=True``
+    (:meth:`~jaxmem._src.scan.trace._Body.preventing_cse`; the step as it is where none is
+    at ``prevent_cse=False``)."""
+    body = rules.body.preventing_cse() if prevent_cse else None
+    if body is not None:
+        rules = copy.copy(rules)
+        rules.body = body
+    return lambda consts, init, xs: rules._primal(list(consts), list(init), list(xs))
 
 
 def _custom_vjp(rules):

@@ -31,6 +31,24 @@ class _Body:
         outs = _jc.jaxpr_as_fun(self.jaxpr)(*consts, *carry, *x)
         return list(outs[: self.n_carry]), list(outs[self.n_carry :])
 
+    def preventing_cse(self) -> _Body | None:
+        """This body with each top-level ``jax.checkpoint`` (``remat2``) at ``prevent_cse=True``,
+        its default, or None where none is at ``prevent_cse=False`` (how jaxmem applies
+        ``policy=``)."""
+        eqns = _jc.open_jaxpr(self.jaxpr).eqns
+        if not any(e.primitive.name == "remat2" and not e.params["prevent_cse"] for e in eqns):
+            return None
+        eqns = [
+            e.replace(params={**e.params, "prevent_cse": True})
+            if e.primitive.name == "remat2"
+            else e
+            for e in eqns
+        ]
+        jaxpr = _jc.closed_jaxpr(
+            _jc.make_jaxpr(self.jaxpr, eqns=eqns), _jc.jaxpr_consts(self.jaxpr)
+        )
+        return _Body(jaxpr, self.consts, self.n_carry, self.carry_tree, self.y_tree)
+
 
 def _trace_body(
     f, fname, init_tree, init_paths, carry_avals, xs_tree, x_avals, diff_consts=False

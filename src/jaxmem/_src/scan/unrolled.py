@@ -11,7 +11,14 @@ the same values and gradients:
 - ``"unrolled"``: the lean VJP with both loops unrolled (1.04x-1.11x that stock on the RNN);
 - ``"stock"``: ``lax.scan``'s own VJP. Where every value of the step fuses (elementwise
   bodies), XLA runs stock's straight-line gradient in the outputs' buffers, with no temp at all,
-  which neither lean program reaches.
+  which neither lean program reaches;
+- ``"stock_prevent_cse"``, under ``policy=`` only: ``lax.scan``'s VJP of the step under
+  ``jax.checkpoint``'s default ``prevent_cse=True`` where jaxmem applies the policy at
+  ``prevent_cse=False`` (right for a rolled loop). In a straight-line program XLA may merge a
+  ``prevent_cse=False`` recompute with the forward pass, the policy then a no-op: a random body
+  under ``policy="nothing"`` compiled to 1.52x ``lax.scan`` over ``jax.checkpoint(step,
+  policy=...)`` on jax 0.10.2. Which of the two is leaner depends on the body (on jax 0.12.0.1
+  ``prevent_cse=False`` leaves other bodies' gradients with no temp at all).
 
 No one program is the leanest everywhere (on 70 of the random bodies of
 ``tests/scan/test_scan_memory.py`` unrolled whole, jax 0.12.0.1: each of the three above the
@@ -23,9 +30,9 @@ part of the outputs can reverse the order: on a random body whose loss reads onl
 carry, the rolled backward loop was the leanest under a loss of every output and 1.88x stock
 under the real one. So a lean winner must also be within 1.02x + 16 KiB of stock under a loss of
 the final carry alone and one of the ys alone (where each is not the whole), else the next one
-is tried, stock last. Nothing runs: three compilations at the first trace of each loop
-signature, and where a lean program wins, four more (two for stock, two for it; two more for the
-next one where it fails), cached.
+is tried, the leaner stock program last. Nothing runs: three compilations (four under
+``policy=``) at the first trace of each loop signature, and where a lean program wins, four more
+(two for stock, two for it; two more for the next one where it fails), cached.
 """
 
 from __future__ import annotations
@@ -33,7 +40,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-CANDIDATES = ("rolled_backward", "unrolled", "stock")
+CANDIDATES = ("rolled_backward", "unrolled", "stock", "stock_prevent_cse")
+STOCK = ("stock", "stock_prevent_cse")
+"""The candidates that are ``lax.scan``'s own VJP."""
 
 SLACK_RATIO, SLACK_BYTES = 1.02, 16 * 1024
 """How far above stock a lean program may be under a loss of part of the outputs."""
@@ -41,22 +50,26 @@ SLACK_RATIO, SLACK_BYTES = 1.02, 16 * 1024
 
 def measure(key, programs: dict, in_avals: tuple) -> tuple[str, dict]:
     """The candidate whose gradient compiles to the least temp (:data:`CANDIDATES` order on
-    ties) among those within the slack of stock's under a loss of part of the outputs (the
-    final carry alone, the ys alone), and the compiled temp bytes of each under a loss of every
-    output (None where one does not compile alone). ``programs[name](consts, init, xs) ->
-    (final, ys)`` (lists of leaves); ``in_avals`` the types of ``(consts, init, xs)``; ``key``
-    identifies the loop for the cache."""
+    ties) among those within the slack of the leanest stock program's under a loss of part of
+    the outputs (the final carry alone, the ys alone), and the compiled temp bytes of each under
+    a loss of every output (None where one does not compile alone). ``programs[name](consts,
+    init, xs) -> (final, ys)`` (lists of leaves; a subset of :data:`CANDIDATES` holding
+    ``"stock"``); ``in_avals`` the types of ``(consts, init, xs)``; ``key`` identifies the loop
+    for the cache."""
     cached = _CHOICES.get(key)
     if cached is not None:
         return cached
-    temps = {name: compiled_temp(programs[name], in_avals) for name in CANDIDATES}
+    names = [n for n in CANDIDATES if n in programs]
+    temps = {name: compiled_temp(programs[name], in_avals) for name in names}
     known = {n: t for n, t in temps.items() if t is not None}
     ranked = sorted(known, key=lambda n: (known[n], CANDIDATES.index(n)))
-    choice = ranked[0] if ranked else CANDIDATES[0]
-    if "stock" in known and choice != "stock":  # without stock's figures, the leanest runs
-        parts = _parts(programs["stock"], in_avals)
-        bounds = {p: compiled_temp(programs["stock"], in_avals, p) for p in parts}
-        choice = next(n for n in ranked if n == "stock" or _within(programs[n], in_avals, bounds))
+    choice = ranked[0] if ranked else names[0]
+    stocks = [n for n in ranked if n in STOCK]
+    if stocks and choice not in STOCK:  # without stock's figures, the leanest runs
+        fallback = programs[stocks[0]]
+        parts = _parts(fallback, in_avals)
+        bounds = {p: compiled_temp(fallback, in_avals, p) for p in parts}
+        choice = next(n for n in ranked if n in STOCK or _within(programs[n], in_avals, bounds))
     _CHOICES[key] = (choice, temps)
     return choice, temps
 
