@@ -115,9 +115,9 @@ class _LeanScan:
         # Memory spaces of the inputs: inputs in host memory get their cotangents there.
         self.spaces = spaces
         self.compress = compress
-        # Where the loop is unrolled whole: whether its backward loop runs rolled
-        # (:attr:`backward_unroll`; :mod:`jaxmem._src.scan.unrolled` chooses).
-        self.roll_backward = True
+        # Whether the backward loop runs rolled (:attr:`backward_unroll`; None: where the loop
+        # is unrolled whole). :mod:`jaxmem._src.scan.unrolled` chooses, by compiling.
+        self.roll_backward: bool | None = None
         # Whether the step runs under jaxmem's own jax.checkpoint (scan's policy=): what its
         # remat recomputes from loop invariants is then kept in the backward loop
         # (:func:`~jaxmem._src.scan.common._pin_invariants`), as under prevent_cse=True.
@@ -159,15 +159,17 @@ class _LeanScan:
 
     @property
     def backward_unroll(self):
-        """The backward loop's unroll: the forward's, except that a loop unrolled whole runs
-        its backward loop rolled where :attr:`roll_backward` says so (the forward loop stays
-        unrolled as asked). Unrolled whole, the backward loop is one straight-line program with
-        the forward's, where XLA may keep every step's rebuilt residuals and cotangent
-        arithmetic live at once (1.04x-1.11x ``lax.scan(..., unroll=True)``'s temp on a tanh RNN
-        at T 8-24); rolled, each backward step's temporaries are freed before the next (0.33x-
-        0.38x that stock, CPU, jax 0.12.0.1)."""
+        """The backward loop's unroll: the forward's, or 1 where :attr:`roll_backward` says so
+        (by default, where the loop is unrolled whole; the forward loop stays unrolled as
+        asked). Unrolled whole, the backward loop is one straight-line program with the
+        forward's, where XLA may keep every step's rebuilt residuals and cotangent arithmetic
+        live at once (1.04x-1.11x ``lax.scan(..., unroll=True)``'s temp on a tanh RNN at T
+        8-24); rolled, each backward step's temporaries are freed before the next (0.33x-0.38x
+        that stock, CPU, jax 0.12.0.1). Unrolled in part, the same holds for the steps of one
+        unrolled trip, where stock's backward steps, which rebuild nothing, may need less."""
         unroll = _loop_unroll(self.length, self.unroll)
-        if self.unrolled_whole and self.roll_backward and self.length > 1:
+        roll = self.unrolled_whole if self.roll_backward is None else self.roll_backward
+        if roll and self.length > 1:
             return 1
         return unroll
 

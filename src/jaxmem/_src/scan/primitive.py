@@ -39,6 +39,7 @@ from jaxmem._src.scan import options as _opts
 from jaxmem._src.scan import summary as _summary
 from jaxmem._src.scan import unrolled as _unrolled
 from jaxmem._src.scan.checkpointed import _CheckpointedScan
+from jaxmem._src.scan.common import _loop_unroll
 from jaxmem._src.scan.hooks import _PLAN_COLLECTORS
 from jaxmem._src.scan.hooks import quiet_plans as _quiet_plans
 from jaxmem._src.scan.lean import _LeanScan
@@ -75,7 +76,7 @@ def run(f, init, xs, length, reverse: bool, config: LoopConfig):
         rules = _CheckpointedScan(
             body, length, reverse, config.unroll, slots, config.offload, config.fname, spaces
         )
-    choice = None  # the program of a loop unrolled whole (jaxmem._src.scan.unrolled)
+    choice = None  # the program of a loop unrolled whole or in part (scan's unrolled module)
     if slots is None and _chooses_unrolled(rules, config):
         choice, _ = _unrolled_choice(rules, config, inputs, body)
         rules.roll_backward = choice == "rolled_backward"
@@ -88,7 +89,8 @@ def run(f, init, xs, length, reverse: bool, config: LoopConfig):
             for collector in collectors:
                 collector.append(summary)
     if choice in _unrolled.STOCK:
-        final, ys = _stock_program(rules, choice == "stock_prevent_cse")(*inputs)
+        guarded = rules.body.preventing_cse() if choice == "stock_prevent_cse" else None
+        final, ys = _stock_program(rules, guarded)(*inputs)
     else:
         final, ys = _bind(rules, config, inputs)
     final, ys = restore(final, ys)
@@ -105,9 +107,10 @@ def _bind(rules, config: LoopConfig, inputs):
 
 
 def unrolled_program(rules, config: LoopConfig, init_leaves, xs_leaves, body):
-    """For a loop unrolled whole, the program that runs it and the compiled temp bytes of each
-    candidate's gradient on the loop alone (:func:`jaxmem._src.scan.unrolled.measure`); None for
-    any other loop. What :func:`jaxmem.scan_residuals` reports."""
+    """For a loop unrolled whole or in part, the program that runs it and the compiled temp bytes
+    of each candidate's gradient on the loop alone (:func:`jaxmem._src.scan.unrolled.measure`,
+    :func:`~jaxmem._src.scan.unrolled.keep_unroll`); None for any other loop. What
+    :func:`jaxmem.scan_residuals` reports."""
     if not _chooses_unrolled(rules, config):
         return None
     inputs = (tuple(body.consts), tuple(init_leaves), tuple(xs_leaves))
@@ -131,10 +134,11 @@ def loop_temps(rules, config: LoopConfig, init_leaves, xs_leaves, body) -> tuple
 
 
 def _chooses_unrolled(rules, config: LoopConfig) -> bool:
-    """Whether the program of a loop unrolled whole is chosen by compiling (not with offload or
-    compress, which ask for the lean VJP's stacks)."""
+    """Whether the program of a loop unrolled whole or in part is chosen by compiling (not with
+    offload or compress, which ask for the lean VJP's stacks)."""
+    unroll = _loop_unroll(rules.length, rules.unroll)
     return (
-        rules.unrolled_whole
+        (rules.unrolled_whole or int(unroll) > 1)
         and rules.length > 1
         and config.offload is None
         and config.compress is None
@@ -143,8 +147,9 @@ def _chooses_unrolled(rules, config: LoopConfig) -> bool:
 
 
 def _unrolled_choice(rules, config: LoopConfig, inputs, body) -> tuple[str, dict]:
-    """:func:`jaxmem._src.scan.unrolled.measure` for this loop (the choice and each candidate's
-    temp): its three programs, each a function of ``(consts, init, xs)``."""
+    """The program of a loop unrolled whole (:func:`jaxmem._src.scan.unrolled.measure`) or in
+    part (:func:`~jaxmem._src.scan.unrolled.keep_unroll`) and each candidate's temp: of its
+    programs, each a function of ``(consts, init, xs)``."""
 
     def lean(roll: bool):
         def program(consts, init, xs):
@@ -159,11 +164,13 @@ def _unrolled_choice(rules, config: LoopConfig, inputs, body) -> tuple[str, dict
     programs = {
         "rolled_backward": lean(True),
         "unrolled": lean(False),
-        "stock": _stock_program(rules, False),
+        "stock": _stock_program(rules),
     }
-    if rules.own_remat and rules.body.preventing_cse() is not None:
-        programs["stock_prevent_cse"] = _stock_program(rules, True)
+    guarded = rules.body.preventing_cse() if rules.own_remat else None
+    if guarded is not None:
+        programs["stock_prevent_cse"] = _stock_program(rules, guarded)
     in_avals = tuple(tuple(jax.typeof(v) for v in g) for g in inputs)
+    whole = rules.unrolled_whole
     # Not the caller's name: jaxmem.scan and scan_residuals share a choice.
     key = (
         str(body.jaxpr),
@@ -173,17 +180,18 @@ def _unrolled_choice(rules, config: LoopConfig, inputs, body) -> tuple[str, dict
         rules.unroll,
         rules.recompute,
         rules.own_remat,  # the backward loop pins loop invariants (or not)
+        whole,
     )
+    measure = _unrolled.measure if whole else _unrolled.keep_unroll
     with _quiet_plans():  # the candidates report no plan; run reports the one that runs
-        return _unrolled.measure(key, programs, in_avals)
+        return measure(key, programs, in_avals)
 
 
-def _stock_program(rules, prevent_cse: bool):
-    """``lax.scan``'s own program for the loop, a function of ``(consts, init, xs)``; with
-    ``prevent_cse``, of the step with each ``jax.checkpoint`` at ``prevent_cse=True``
-    (:meth:`~jaxmem._src.scan.trace._Body.preventing_cse`; the step as it is where none is
-    at ``prevent_cse=False``)."""
-    body = rules.body.preventing_cse() if prevent_cse else None
+def _stock_program(rules, body=None):
+    """``lax.scan``'s own program for the loop, a function of ``(consts, init, xs)``; of
+    ``body`` in place of the loop's step where one is given (the step with each
+    ``jax.checkpoint`` at ``prevent_cse=True``,
+    :meth:`~jaxmem._src.scan.trace._Body.preventing_cse`)."""
     if body is not None:
         rules = copy.copy(rules)
         rules.body = body

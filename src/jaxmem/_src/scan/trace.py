@@ -34,7 +34,12 @@ class _Body:
     def preventing_cse(self) -> _Body | None:
         """This body with each top-level ``jax.checkpoint`` (``remat2``) at ``prevent_cse=True``,
         its default, or None where none is at ``prevent_cse=False`` (how jaxmem applies
-        ``policy=``)."""
+        ``policy=``). Built once per body: the unrolled chooser and the program it runs share it."""
+        if not hasattr(self, "_guarded"):
+            self._guarded = self._prevent_cse()
+        return self._guarded
+
+    def _prevent_cse(self) -> _Body | None:
         eqns = _jc.open_jaxpr(self.jaxpr).eqns
         if not any(e.primitive.name == "remat2" and not e.params["prevent_cse"] for e in eqns):
             return None
