@@ -455,6 +455,54 @@ def test_optimize_runs_scans_jax_built(name, remat3):
         jax.config.update("jax_remat3", before)
 
 
+# What the function differentiates itself, as if it were written around optimize(loss).
+_LEAN_AS = {
+    "train_step": lambda: _sgd_step(jaxmem.optimize(rnn(jax.lax.scan))),
+    "grad": lambda: jax.grad(jaxmem.optimize(rnn(jax.lax.scan)), argnums=(0, 1, 2)),
+    "value_and_grad": lambda: jax.value_and_grad(jaxmem.optimize(rnn(jax.lax.scan))),
+    "vmap_grad": lambda: (
+        lambda w, xs, h0: jax.vmap(jax.grad(jaxmem.optimize(rnn(jax.lax.scan))), (None, None, 0))(
+            w, xs, jnp.stack([h0, -h0])
+        )
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_LEAN_AS))
+def test_optimize_makes_a_function_differentiating_inside_lean(name):
+    """``optimize(train_step)``: the scan its own ``value_and_grad`` differentiates runs as
+    jaxmem.scan (caught at its bind), the same program as ``value_and_grad(optimize(loss))``;
+    and below lax.scan's."""
+    fn = _jax_built(name)
+    want, stock = run_and_temp(fn, W, XS, H0)
+    got, ours = run_and_temp(jaxmem.optimize(fn), W, XS, H0)
+    close(got, want)
+    lean = temp(_LEAN_AS[name](), W, XS, H0)
+    assert ours <= 1.02 * lean + KIB16 and ours < 0.9 * stock, (ours, lean, stock)
+    assert "bind" not in vars(jc.scan_p)  # the catch is undone after the trace
+    (scan,) = jaxmem.optimize(fn).explain(W, XS, H0).scans
+    assert scan.rewritten and scan.kept_bytes < scan.stock_bytes, scan
+    assert "test_optimize.py" in scan.source and "intercept" not in scan.source, scan
+
+
+def test_optimize_catches_a_scan_a_library_imported():
+    """A scan bound under another name (``from jax.lax import scan`` in a library, fori_loop
+    with static bounds) is caught too; forward mode is left to JAX."""
+    from jax.lax import scan as imported
+
+    def loss(w, xs, h0):
+        h = jax.lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h @ w), h0)
+        return rnn(imported)(w, xs, h)
+
+    step = _sgd_step(loss)
+    want, stock = run_and_temp(step, W, XS, H0)
+    got, ours = run_and_temp(jaxmem.optimize(step), W, XS, H0)
+    close(got, want)
+    assert ours < 0.9 * stock, (ours, stock)
+    forward = lambda w, xs, h0: jax.jvp(lambda w: loss(w, xs, h0), (w,), (U,))
+    close(jaxmem.optimize(forward)(W, XS, H0), forward(W, XS, H0))
+
+
 def test_scan_counts_read_every_form():
     """``(num_consts, num_carry)`` of each scan JAX builds: the body's inputs in that order,
     consistent with the equation's operands and the body's carry outputs."""

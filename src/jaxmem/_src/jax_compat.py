@@ -35,6 +35,9 @@ ShapedArray = jax.core.ShapedArray  # jax.core (public, stable)
 summarize_source = _siu.summarize  # jax.extend.source_info_util: "file:line:col (fn)"
 
 device_put_p = _prims.device_put_p  # jax.extend.core.primitives
+scan_p = _prims.scan_p  # jax.extend.core.primitives: lax.scan's primitive
+current_source_info = _siu.current  # jax.extend.source_info_util: the caller's SourceInfo
+register_source_exclusion = _siu.register_exclusion  # jax.extend.source_info_util
 name_p = _prims.name_p  # jax.extend.core.primitives: checkpoint_name's primitive
 
 # Primitive names that run a sub-jaxpr as a call: "jit" (0.10, 0.12; "pjit" before), 0.10's
@@ -312,6 +315,27 @@ def user_frames(source_info) -> list:
     return list(source_info_util.user_frames(source_info.traceback))
 
 
+def reverse_mode_trace() -> bool:
+    """Whether what is bound now is being differentiated in reverse mode (``jax.grad``,
+    ``value_and_grad``, ``vjp``, ``linearize``), not under forward mode.
+
+    Private: ``jax._src.core.trace_ctx.trace`` (the current trace), each trace's
+    ``parent_trace``, ``jax._src.interpreters.ad.LinearizeTrace`` (what ``jax.vjp`` traces with,
+    ``jax_use_direct_linearize`` on by default) and ``JVPTrace`` (``jax.jvp``, ``jacfwd``): the
+    same on 0.10.2 and 0.12. A ``LinearizeTrace`` on the chain and no ``JVPTrace``.
+    """
+    from jax._src import core
+    from jax._src.interpreters import ad
+
+    trace, linearized = core.trace_ctx.trace, False
+    while trace is not None:
+        if isinstance(trace, ad.JVPTrace):
+            return False
+        linearized = linearized or isinstance(trace, ad.LinearizeTrace)
+        trace = getattr(trace, "parent_trace", None)
+    return linearized
+
+
 def trace_state_clean() -> bool:
     """Whether no transformation is being traced (eager, outside jit/grad/vmap).
 
@@ -363,7 +387,11 @@ def scan_counts(eqn) -> tuple[int, int]:
     transpose groups its consts as ``(residuals, cotangents)``), filtered where partial
     evaluation or DCE dropped inputs. ``FlatTree.unpack`` reads every form.
     """
-    params = eqn.params
+    return scan_counts_of(eqn.params)
+
+
+def scan_counts_of(params: dict) -> tuple[int, int]:
+    """``(num_consts, num_carry)`` of a ``scan`` by its parameters (:func:`scan_counts`)."""
     if "num_consts" in params:
         return params["num_consts"], params["num_carry"]
     consts, carry, _ = params["ft_in"].unpack()

@@ -15,6 +15,7 @@ import numpy as np
 from jaxmem._src import checks
 from jaxmem._src import jax_compat as _jc
 from jaxmem._src.losses import autochunk as _autochunk
+from jaxmem._src.optimize import intercept as _intercept
 from jaxmem._src.optimize import rewrite as _rw
 from jaxmem._src.scan import api as _scan_api
 from jaxmem._src.scan import options as _opts
@@ -119,10 +120,11 @@ class Optimized:
         self._chunk_loss = chunk_loss
         functools.update_wrapper(self, fn)
 
-    def _traced(self, args, kwargs):
+    def _traced(self, args, kwargs, caught: _rw.Rewriter):
         """The function's jaxpr at these arguments (static: every leaf that is not an array),
         and its outputs: the tree, and the leaves that are not JAX arrays (a string tag, a Python
-        number: returned as they are, as the function returns them)."""
+        number: returned as they are, as the function returns them). Each scan the function
+        differentiates itself runs through ``caught`` (:mod:`~jaxmem._src.optimize.intercept`)."""
         leaves, tree = jax.tree.flatten((args, kwargs))
         dynamic = [_is_array(x) for x in leaves]
         outputs = []
@@ -131,7 +133,9 @@ class Optimized:
             it = iter(arrays)
             full = [next(it) if d else x for x, d in zip(leaves, dynamic, strict=True)]
             a, k = jax.tree.unflatten(tree, full)
-            out, t = jax.tree.flatten(self._fn(*a, **k))
+            with _intercept.catching(caught):
+                result = self._fn(*a, **k)
+            out, t = jax.tree.flatten(result)
             static = {i: x for i, x in enumerate(out) if not _is_traced_output(x)}
             outputs.append((t, static))
             return [x for i, x in enumerate(out) if i not in static]
@@ -142,7 +146,7 @@ class Optimized:
 
     def __call__(self, *args, **kwargs):
         rewriter = _rw.Rewriter(self._options)
-        closed, arrays, (out_tree, static) = self._traced(args, kwargs)
+        closed, arrays, (out_tree, static) = self._traced(args, kwargs, _rw.Rewriter(self._options))
         run = lambda *a: rewriter.eval_closed(closed, a)
         if self._chunk_loss:
             run = _autochunk.autochunk(run)
@@ -157,42 +161,56 @@ class Optimized:
         gradient, ``lax.scan``'s and jaxmem's, each loop compiled alone: two compilations per
         scan; for a loss, what the loss's gradient saves by it: one compilation more per scan
         and one of the loss as it is) or left alone, and why."""
-        rewriter = _rw.Rewriter(self._options, rewrite=False)
-        closed, arrays, _ = self._traced(args, kwargs)
         reports = []
+        # The scans the function differentiates itself run as jaxmem.scan (as when called); each
+        # is measured where it is met, its differentiation's trace live (those nested in its
+        # step are not listed apart).
+        measure = lambda found: reports.extend(_measured([found], self._options))
+        caught = _rw.Rewriter(self._options, on_found=measure)
+        closed, arrays, _ = self._traced(args, kwargs, caught)
+        rewriter = _rw.Rewriter(self._options, rewrite=False)
         outer = []
 
         def run(*a):
             rewriter.eval_closed(closed, a)
             outer.append(len(rewriter.found))  # those after it are nested in a scan's step
-            for found in rewriter.found:
-                stock = kept = None
-                try:
-                    plan = _scan_api.measured_plan(
-                        found.step,
-                        list(found.init),
-                        list(found.xs) if found.xs else None,
-                        length=found.length,
-                        reverse=found.reverse,
-                        unroll=found.unroll,
-                        **_plan_options(self._options(found)),
-                    )
-                    stock, kept = plan.compiled or (plan.stock_stacked_bytes, plan.stacked_bytes)
-                except Exception:  # noqa: BLE001 - a listing only; the rewrite itself is tested
-                    pass
-                reports.append(
-                    ScanReport(found.source, found.length, True, "", found.called_from, stock, kept)
-                )
+            reports.extend(_measured(rewriter.found, self._options))
             return []
 
         jax.eval_shape(run, *arrays)
-        saved = _savings_in_context(closed, arrays, self._options, outer[0])
-        reports[: len(saved)] = [
-            dataclasses.replace(r, saved_bytes=b) for r, b in zip(reports, saved, strict=False)
-        ]
+        if not caught.found:  # the loss's own gradient, where the function does not take one
+            saved = _savings_in_context(closed, arrays, self._options, outer[0])
+            reports[: len(saved)] = [
+                dataclasses.replace(r, saved_bytes=b) for r, b in zip(reports, saved, strict=False)
+            ]
         for source, why in _rw.left_alone(_jc.open_jaxpr(closed)):
             reports.append(ScanReport(source, 0, False, why))
         return Explanation(tuple(reports))
+
+
+def _measured(found: list, options: Callable) -> list[ScanReport]:
+    """A report of each scan of ``found``, those its steps' evaluation adds to it included (a
+    scan nested in another's step), with the temp bytes of its gradient compiled alone."""
+    reports = []
+    for scan in found:  # grows while a step is evaluated
+        stock = kept = None
+        try:
+            plan = _scan_api.measured_plan(
+                scan.step,
+                list(scan.init),
+                list(scan.xs) if scan.xs else None,
+                length=scan.length,
+                reverse=scan.reverse,
+                unroll=scan.unroll,
+                **_plan_options(options(scan)),
+            )
+            stock, kept = plan.compiled or (plan.stock_stacked_bytes, plan.stacked_bytes)
+        except Exception:  # noqa: BLE001 - a listing only; the rewrite itself is tested
+            pass
+        reports.append(
+            ScanReport(scan.source, scan.length, True, "", scan.called_from, stock, kept)
+        )
+    return reports
 
 
 def _savings_in_context(closed, arrays: list, options: Callable, count: int) -> list[int]:
@@ -269,7 +287,10 @@ def optimize(
     and the arrays' shardings are), ``jax.checkpoint``, ``cond`` branches and ``shard_map``
     bodies are reached; those inside a
     ``custom_vjp`` function (its own gradient), a ``custom_jvp`` function or a ``while_loop`` are
-    left alone. Apply it before differentiating: ``jax.grad(jaxmem.optimize(loss))``; it composes
+    left alone. Apply it to the loss (``jax.grad(jaxmem.optimize(loss))``) or to a function that
+    differentiates inside (a train step's ``jax.value_and_grad``, ``jax.grad``, ``jax.vjp``):
+    each scan its own reverse-mode differentiation meets is caught where ``lax.scan`` binds its
+    primitive and runs as :func:`jaxmem.scan` (forward mode leaves it to JAX). It composes
     with ``jax.jit``, ``jax.vmap`` and meshes. Array leaves of the arguments are traced; other
     leaves (Python numbers, strings, flags) are static, as with ``equinox.filter_jit``.
 

@@ -53,6 +53,7 @@ class Rewriter:
     found: list[Found] = dataclasses.field(default_factory=list)
     rewrite: bool = True
     only: int | None = None
+    on_found: Callable[[Found], None] | None = None  # called with each scan outside any step
     _outer: int = 0  # scans met outside any scan's body so far
     _depth: int = 0  # scan bodies being evaluated
 
@@ -76,7 +77,7 @@ class Rewriter:
     def _eqn(self, eqn, invals: list) -> list:
         name = eqn.primitive.name
         params = eqn.params
-        if name == "scan":
+        if name == "scan" and not _made_by_jaxmem(eqn.source_info):
             return self._scan(eqn, invals)
         if name in _jc.CALL_PRIMITIVES:
             body = next(p for p in params.values() if _jc.is_jaxpr(p))
@@ -101,8 +102,12 @@ class Rewriter:
         return _jc.bind_eqn(eqn, invals)
 
     def _scan(self, eqn, invals: list) -> list:
-        params = eqn.params
-        n_consts, n_carry = _jc.scan_counts(eqn)
+        return self.scan(eqn.params, eqn.source_info, invals, lambda: _jc.bind_eqn(eqn, invals))
+
+    def scan(self, params: dict, source_info, invals: list, as_it_is: Callable) -> list:
+        """A scan of these parameters (an equation's, or a bind's) on ``invals``: run as
+        :func:`jaxmem.scan` unless left as it is (``as_it_is()``); recorded in ``found``."""
+        n_consts, n_carry = _jc.scan_counts_of(params)
         consts, init, xs = (
             invals[:n_consts],
             invals[n_consts : n_consts + n_carry],
@@ -119,7 +124,7 @@ class Rewriter:
             return list(outs[:n_carry]), list(outs[n_carry:])
 
         found = Found(
-            *_sources(eqn.source_info),
+            *_sources(source_info),
             length=params["length"],
             reverse=bool(params["reverse"]),
             step=step,
@@ -129,11 +134,13 @@ class Rewriter:
         )
         self.found.append(found)
         skipped = False
+        if self._depth == 0 and self.on_found is not None:
+            self.on_found(found)
         if self._depth == 0:
             skipped = self.only is not None and self._outer != self.only
             self._outer += 1
         if not self.rewrite or skipped:
-            return _jc.bind_eqn(eqn, invals)
+            return as_it_is()
         carry, ys = _scan_api.scan(
             step,
             list(init),
@@ -158,6 +165,20 @@ def _sources(source_info) -> tuple[str, str]:
 
 
 _JAXMEM = str(pathlib.Path(__file__).resolve().parents[2])  # the jaxmem package's folder
+
+
+def _made_by_jaxmem(source_info) -> bool:
+    """Whether a scan is one of jaxmem's own loops (a lean VJP's, of a scan that the function
+    differentiates itself: :mod:`~jaxmem._src.optimize.intercept`), bound as it is."""
+    frames = _jc.user_frames(source_info)
+    return (
+        bool(frames)
+        and frames[0].file_name.startswith(_JAXMEM)
+        and not (frames[0].file_name.startswith(_OPTIMIZE))
+    )
+
+
+_OPTIMIZE = str(pathlib.Path(__file__).resolve().parent)
 
 
 def _in_a_package(path: str) -> bool:

@@ -1,0 +1,100 @@
+"""Scans the optimized function differentiates itself (a train step's ``value_and_grad``):
+caught where ``lax.scan`` binds its primitive, before JAX's own rules differentiate them.
+
+Once the function is traced, its jaxpr holds the scans JAX differentiated (a forward loop and a
+transposed one, their residuals already chosen by JAX), too late to make lean. So while
+:func:`jaxmem.optimize` traces the function, ``scan``'s primitive binds through :func:`_bind`
+(an attribute of that one primitive object, set for the trace and removed after it): a bind
+that reverse mode differentiates (:func:`jaxmem._src.jax_compat.reverse_mode_trace`) and that
+does not come from jaxmem's own loops runs as :func:`jaxmem.scan` on the scan's own step
+(:meth:`jaxmem._src.optimize.rewrite.Rewriter.scan`), so the function's own ``grad`` meets
+jaxmem's rules. Every ``lax.scan`` binds the one primitive, so this reaches a scan called from
+any module (a library that imported ``lax`` or ``scan`` itself), ``lax.map`` and a
+``fori_loop`` with static bounds. A scan under forward mode (``jax.jvp``, ``jacfwd``, a
+Hessian) is left to JAX, as is one traced where nothing differentiates it (the equation-level
+rewrite reaches those).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+from collections.abc import Iterator
+
+import jax
+import jaxlib
+
+from jaxmem._src import jax_compat as _jc
+
+# The scans bound here are the caller's: JAX's source lines skip this file, as its own.
+_jc.register_source_exclusion(__file__)
+
+_STATE = threading.local()  # .rewriters: this thread's active rewriters, innermost last
+_LOCK = threading.Lock()
+_ACTIVE = [0]  # traces catching, over every thread: the bind is set while any is
+
+
+@contextlib.contextmanager
+def catching(rewriter) -> Iterator[None]:
+    """Within: every reverse-differentiated ``lax.scan`` bound in this thread runs through
+    ``rewriter`` (:meth:`~jaxmem._src.optimize.rewrite.Rewriter.scan`)."""
+    stack = _rewriters()
+    stack.append(rewriter)
+    with _LOCK:
+        if _ACTIVE[0] == 0:
+            _jc.scan_p.bind = _bind  # the instance's attribute shadows Primitive.bind
+        _ACTIVE[0] += 1
+    try:
+        yield
+    finally:
+        stack.pop()
+        with _LOCK:
+            _ACTIVE[0] -= 1
+            if _ACTIVE[0] == 0:
+                del _jc.scan_p.bind
+
+
+def _rewriters() -> list:
+    if not hasattr(_STATE, "rewriters"):
+        _STATE.rewriters = []
+    return _STATE.rewriters
+
+
+def _bind(*args, **params):
+    def as_it_is():
+        return type(_jc.scan_p).bind(_jc.scan_p, *args, **params)
+
+    stack = _rewriters()
+    if not stack or stack[-1] is None:
+        return as_it_is()
+    if not _jc.reverse_mode_trace() or _from_jaxmem(sys._getframe(1)):
+        return as_it_is()
+    rewriter = stack[-1]
+    stack.append(None)  # what running it binds (its step's scans: the rewriter's) passes
+    try:
+        return rewriter.scan(params, _jc.current_source_info(), list(args), as_it_is)
+    finally:
+        stack.pop()
+
+
+def _folder(module) -> str:
+    return os.path.dirname(module.__file__) + os.sep
+
+
+_PASSED = (_folder(jax), _folder(jaxlib), os.path.dirname(contextlib.__file__) + os.sep)
+_JAXMEM = os.path.dirname(os.path.dirname(os.path.dirname(__file__))) + os.sep  # jaxmem/
+_OPTIMIZE = os.path.dirname(__file__) + os.sep
+
+
+def _from_jaxmem(frame) -> bool:
+    """Whether the first frame up from ``frame`` outside JAX and the standard library is
+    jaxmem's own (its loops' ``lax.scan``), not the optimized function's (nor this
+    subpackage's, which calls it)."""
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not (name.startswith(_PASSED) or name.startswith("<frozen")):
+            return name.startswith(_JAXMEM) and not name.startswith(_OPTIMIZE)
+        frame = frame.f_back
+    return False
