@@ -216,6 +216,10 @@ def test_below_full_remat_the_plan_uses_checkpoints(rnn_full):
     assert "checkpoint_advance" in jaxpr  # The checkpointed VJP's advance loop (a primitive).
     np.testing.assert_allclose(got, jax.grad(_rnn_stock)(*RNN_ARGS), rtol=1e-5, atol=1e-5)
     assert jaxmem.Plan.from_json(p.to_json()).checkpoints == "sqrt"
+    # The same budget as a float and as a string with a unit (KiB: 1024 bytes).
+    for same in (float(lo - 1), f"{(lo - 1) / 1024!r}KiB"):
+        q = jaxmem.plan(_rnn_loss, *RNN_ARGS, budget=same, presets=False, known=full.trials)
+        assert (q.budget, q.checkpoints) == (lo - 1, "sqrt"), same
 
 
 def test_frontier_marks_the_chosen_plan(tmp_path):
@@ -286,8 +290,12 @@ def test_a_plan_applies_to_functions_jitted_before():
 
 
 def test_bad_input():
-    with pytest.raises(TypeError, match="budget must be a number of bytes"):
-        jaxmem.plan(_rnn_loss, *RNN_ARGS, budget=1.5e6)
+    for bad in (-1, -0.5, "-1GB", "48 MiBs", "1.5.2GB", "", float("inf")):
+        with pytest.raises(ValueError, match="budget must be a size in bytes"):
+            jaxmem.plan(_rnn_loss, *RNN_ARGS, budget=bad)
+    for bad in (True, None, [10**6]):
+        with pytest.raises(TypeError, match="budget must be a size in bytes"):
+            jaxmem.plan(_rnn_loss, *RNN_ARGS, budget=bad)
     with pytest.raises(ValueError, match="max_compiles=2; it needs at least 3"):
         jaxmem.plan(_rnn_loss, *RNN_ARGS, budget=10**6, max_compiles=2)
     with pytest.raises(ValueError, match="uses no checkpoint name"):

@@ -9,6 +9,7 @@ jax.ShapeDtypeStruct can be traced``.
 from __future__ import annotations
 
 import functools
+import re
 import reprlib
 import threading
 import warnings
@@ -60,6 +61,48 @@ def warn_once(
         _WARNED.add(key)
     warnings.warn(message(), category, stacklevel=stacklevel + 1)
     return True
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_BYTES = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*")
+
+
+def byte_count(value: Any, argname: str, caller: str) -> int:
+    """A number of bytes, as an int: an int, a float (rounded down) or a string with a unit
+    (``"48MiB"``, ``"1.5GB"``, ``"8GiB"``, ``"512"``; kB/MB/GB/TB are powers of 1000, KiB/MiB/
+    GiB/TiB of 1024, case-insensitive).
+
+    Raises:
+      TypeError: not a number or a string (``True``, None, a list).
+      ValueError: negative, not finite, or a string that is not a size.
+
+    Examples:
+        >>> byte_count("48MiB", "budget", "f"), byte_count("1.5GB", "budget", "f")
+        (50331648, 1500000000)
+        >>> byte_count(5.2e7, "budget", "f")
+        52000000
+        >>> byte_count("-1GB", "budget", "f")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: f: budget must be a size in bytes (...), got str ('-1GB')
+    """
+    bad = ValueError(
+        f"{caller}: {argname} must be a size in bytes (an int, a float or a string such as "
+        f'"48MiB", "1.5GB", "8GiB"), got {describe(value)}'
+    )
+    if isinstance(value, str):
+        match = _BYTES.fullmatch(value)
+        if match is None or match.group(2).lower() not in _UNITS:
+            raise bad
+        number = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    elif isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
+        number = value
+    else:
+        raise TypeError(str(bad))
+    if not np.isfinite(float(number)) or number < 0:
+        raise bad
+    return int(number)
 
 
 def describe(x: Any) -> str:

@@ -48,8 +48,8 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 
+from jaxmem._src import checks
 from jaxmem._src import offload as _offload
 from jaxmem._src.remat import auto as _auto
 from jaxmem._src.remat import policies as _policies
@@ -507,9 +507,7 @@ def _greedy(
 
 
 def _check_budget(budget: Any, caller: str) -> int:
-    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < 0:
-        raise TypeError(f"{caller}: budget must be a number of bytes (an int >= 0), got {budget!r}")
-    return int(budget)
+    return checks.byte_count(budget, "budget", caller)
 
 
 def _time_gradients(search: _Search, cands: Sequence[Candidate], rounds: int = 5) -> list[float]:
@@ -555,7 +553,7 @@ def _below_reach_message(caller, budget, lo, lo_key, names, checkpoints_tried, o
 def plan(
     loss_fn: Callable,
     *args: Any,
-    budget: int,
+    budget: int | float | str,
     max_compiles: int = 16,
     argnums: int | Sequence[int] = 0,
     presets: bool = True,
@@ -577,7 +575,8 @@ def plan(
     Args:
       loss_fn: the loss, ``loss_fn(*args) -> scalar``.
       *args: its arguments (arrays or ``jax.ShapeDtypeStruct``).
-      budget: the temp-memory budget in bytes.
+      budget: the temp-memory budget: bytes as an int or a float, or a string with a unit
+        (``"48MiB"``, ``"1.5GB"``, ``"8GiB"``).
       max_compiles: at most this many AOT compiles in all (at least 3: no remat, save every
         name, save nothing); candidates found in ``known`` cost none.
       argnums: what the gradient is taken with respect to, as in :func:`jax.grad`.
@@ -599,7 +598,8 @@ def plan(
       ValueError: ``budget`` is below the smallest reachable temp (the message gives it and
         what would lower it further); ``max_compiles < 3``; ``loss_fn`` uses no checkpoint
         name.
-      TypeError: ``budget`` is not an int >= 0.
+      ValueError: ``budget`` negative or not a size.
+      TypeError: ``budget`` not a number or a string.
 
     Examples:
       >>> import jax, jax.numpy as jnp, jaxmem
