@@ -503,6 +503,70 @@ def test_optimize_catches_a_scan_a_library_imported():
     close(jaxmem.optimize(forward)(W, XS, H0), forward(W, XS, H0))
 
 
+def _inside_steps():
+    """Train steps whose scans are caught: a closure over an argument not differentiated, a
+    reversed loop unrolled in part with an int counter and ``has_aux``; nested scans (``xs=None``
+    inside); a body under a framework's ``jax.checkpoint`` policy; grad of a vmap."""
+    u = f32(D, D, scale=0.2)
+
+    def counter(w, xs, h0):
+        def step(c, x):
+            h, i = c
+            h = jnp.tanh(h @ w + x * i.astype(jnp.float32) + jnp.sin(h @ u))
+            return (h, i + 1), h * 2
+
+        (h, i), ys = jax.lax.scan(step, (h0, jnp.int32(0)), xs, reverse=True, unroll=2)
+        return jnp.sum(ys**2) + jnp.sum(h), (i, ys[0])
+
+    def nested(w, xs, h0):
+        def outer(h, x):
+            return (
+                jax.lax.scan(lambda c, _: (jnp.tanh(c @ w + x), None), h, None, length=3)[0],
+            ) * 2
+
+        return jnp.sum(jax.lax.scan(outer, h0, xs)[1])
+
+    def policy(w, xs, h0):
+        dots = jax.checkpoint_policies.dots_saveable
+        body = jax.checkpoint(lambda h, x: (jnp.tanh(h @ w + x),) * 2, policy=dots)
+        return jnp.sum(jax.lax.scan(body, h0, xs)[1] ** 2)
+
+    return {
+        "counter": lambda w, xs, h0: jax.value_and_grad(counter, has_aux=True)(w, xs, h0),
+        "nested": jax.grad(nested, argnums=(0, 2)),
+        "policy": jax.value_and_grad(policy),
+        "grad_of_vmap": jax.grad(
+            lambda w, xs, h0: jnp.sum(jax.vmap(lambda h: policy(w, xs, h))(jnp.stack([h0, -h0])))
+        ),
+    }
+
+
+@pytest.mark.parametrize("name", ["counter", "nested", "policy", "grad_of_vmap"])
+def test_optimize_inside_equals_stock_and_is_not_above_it(name):
+    fn = _inside_steps()[name]
+    want, stock = run_and_temp(fn, W, XS, H0)
+    got, ours = run_and_temp(jaxmem.optimize(fn), W, XS, H0)
+    close(got, want)
+    close(jaxmem.optimize(fn)(W, XS, H0), want)  # un-jitted
+    assert ours < stock, (ours, stock)
+
+
+def test_effects_in_a_caught_scan_run_as_under_lax_scan(capfd):
+    def loss(w, xs, h0):
+        def step(h, x):
+            h = jnp.tanh(h @ w + x)
+            jax.debug.print("h={s}", s=jnp.sum(h))
+            return h, h
+
+        return jnp.sum(jax.lax.scan(step, h0, xs[:3])[1])
+
+    fn = jax.value_and_grad(loss)
+    jax.block_until_ready(fn(W, XS, H0))
+    want = capfd.readouterr().out.count("h=")
+    jax.block_until_ready(jaxmem.optimize(fn)(W, XS, H0))
+    assert capfd.readouterr().out.count("h=") == want == 3
+
+
 def test_scan_counts_read_every_form():
     """``(num_consts, num_carry)`` of each scan JAX builds: the body's inputs in that order,
     consistent with the equation's operands and the body's carry outputs."""
