@@ -395,7 +395,21 @@ FOUND_ABOVE = (
 )  # fmt: skip
 
 
-@pytest.mark.parametrize("seed", FOUND_ABOVE)
+# Found above on jax 0.10.2 too; the others, found on 0.12 (whose lax.scan is the leaner), run
+# there only (CI time: test-compat runs one in three of the random bodies on 0.10.2).
+FOUND_ON_0_10 = (1002, 1365, 2040, 2103, 2154, 2300, 4104)
+_ON_0_10 = jax.__version__.startswith("0.10")
+
+
+@pytest.mark.parametrize(
+    "seed",
+    [
+        pytest.param(s, marks=pytest.mark.skipif(_ON_0_10, reason="found on jax 0.12, run there"))
+        if s not in FOUND_ON_0_10
+        else s
+        for s in FOUND_ABOVE
+    ],
+)
 def test_random_body_once_above_stock_is_not(seed):
     test_random_body_is_not_above_stock(seed)
 
