@@ -385,9 +385,9 @@ def test_random_body_is_not_above_stock(seed):
 # under a remat policy, 1.148x), 1365 (0.10.2, unroll 2, 1.044x), 2103 and 2154 (0.10.2,
 # unroll 3-4 under a policy, 1.082x and 1.070x), loops unrolled in part whose unrolled backward
 # steps' buffers were live at once: the backward loop of such a loop now keeps its unroll only
-# where that compiles within the bar of lax.scan's VJP on the loop alone, else is rolled, else
-# runs lax.scan's VJP (scan's unrolled module, keep_unroll): 0.933x, 0.795x, 0.910x, 0.836x and
-# 0.838x.
+# where that compiles within the bar of lax.scan's VJP on the loop alone, else the loop runs
+# lax.scan's VJP (scan's unrolled module, keep_unroll; not rolled, which cost up to 1.10x
+# stock's time on these small bodies).
 FOUND_ABOVE = (
     418, 456, 553, 586, 594, 675, 799, 802, 843, 860, 1002, 1042, 1151, 1414, 1715, 1995, 2277,
     2606, 2874, 3187, 3661, 1294, 1696, 1965, 2040, 2300, 2376, 2539, 3802, 1640, 4104, 1133,
