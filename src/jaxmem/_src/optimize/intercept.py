@@ -27,6 +27,7 @@ import jax
 import jaxlib
 
 from jaxmem._src import jax_compat as _jc
+from jaxmem._src.optimize import rewrite as _rw
 
 # The scans bound here are the caller's: JAX's source lines skip this file, as its own.
 _jc.register_source_exclusion(__file__)
@@ -84,17 +85,15 @@ def _folder(module) -> str:
 
 
 _PASSED = (_folder(jax), _folder(jaxlib), os.path.dirname(contextlib.__file__) + os.sep)
-_JAXMEM = os.path.dirname(os.path.dirname(os.path.dirname(__file__))) + os.sep  # jaxmem/
-_OPTIMIZE = os.path.dirname(__file__) + os.sep
 
 
 def _from_jaxmem(frame) -> bool:
     """Whether the first frame up from ``frame`` outside JAX and the standard library is
-    jaxmem's own (its loops' ``lax.scan``), not the optimized function's (nor this
-    subpackage's, which calls it)."""
+    jaxmem's own (its loops' ``lax.scan``), not the optimized function's
+    (:func:`~jaxmem._src.optimize.rewrite.jaxmem_own`)."""
     while frame is not None:
         name = frame.f_code.co_filename
         if not (name.startswith(_PASSED) or name.startswith("<frozen")):
-            return name.startswith(_JAXMEM) and not name.startswith(_OPTIMIZE)
+            return _rw.jaxmem_own(name)
         frame = frame.f_back
     return False

@@ -12,6 +12,7 @@ specs. Everything else is bound as it is: a ``custom_vjp`` function (the user's 
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
 from collections.abc import Callable, Sequence
 
@@ -134,9 +135,9 @@ class Rewriter:
         )
         self.found.append(found)
         skipped = False
-        if self._depth == 0 and self.on_found is not None:
-            self.on_found(found)
         if self._depth == 0:
+            if self.on_found is not None:
+                self.on_found(found)
             skipped = self.only is not None and self._outer != self.only
             self._outer += 1
         if not self.rewrite or skipped:
@@ -171,11 +172,13 @@ def _made_by_jaxmem(source_info) -> bool:
     """Whether a scan is one of jaxmem's own loops (a lean VJP's, of a scan that the function
     differentiates itself: :mod:`~jaxmem._src.optimize.intercept`), bound as it is."""
     frames = _jc.user_frames(source_info)
-    return (
-        bool(frames)
-        and frames[0].file_name.startswith(_JAXMEM)
-        and not (frames[0].file_name.startswith(_OPTIMIZE))
-    )
+    return bool(frames) and jaxmem_own(frames[0].file_name)
+
+
+def jaxmem_own(path: str) -> bool:
+    """Whether a source file is jaxmem's own, outside this subpackage: the scans its code binds
+    are jaxmem's loops, not the optimized function's (this subpackage evaluates those)."""
+    return path.startswith(_JAXMEM + os.sep) and not path.startswith(_OPTIMIZE + os.sep)
 
 
 _OPTIMIZE = str(pathlib.Path(__file__).resolve().parent)

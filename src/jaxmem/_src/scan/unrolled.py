@@ -94,22 +94,17 @@ def keep_unroll(key, programs: dict, in_avals: tuple) -> tuple[str, dict]:
     stocks = [n for n in STOCK if n in programs]
     temps = {name: compiled_temp(programs[name], in_avals) for name in stocks}
     known = sorted((n for n in stocks if temps[n] is not None), key=lambda n: temps[n])
-    choice = "unrolled" if not known else None  # not measurable alone: as asked
+    choice = "unrolled"  # as asked, also where no stock program is measurable alone
     if known:
+        temps[choice] = compiled_temp(programs[choice], in_avals)
         fallback = programs[known[0]]
-        bounds = {"all": temps[known[0]]}
-        for name in ("unrolled",):
-            temps[name] = compiled_temp(programs[name], in_avals)
-            if not _within_one(temps[name], bounds["all"]):
-                continue
-            if len(bounds) == 1:  # the partial losses, once a lean program is within
-                bounds |= {
-                    p: compiled_temp(fallback, in_avals, p) for p in _parts(fallback, in_avals)
-                }
-            if _within(programs[name], in_avals, {p: b for p, b in bounds.items() if p != "all"}):
-                choice = name
-                break
-        choice = choice or known[0]
+        # The partial losses only once the unrolled program is within under every output.
+        within = _within_one(temps[choice], temps[known[0]]) and _within(
+            programs[choice],
+            in_avals,
+            {p: compiled_temp(fallback, in_avals, p) for p in _parts(fallback, in_avals)},
+        )
+        choice = choice if within else known[0]
     _CHOICES[key] = (choice, temps)
     return choice, temps
 
