@@ -15,6 +15,7 @@ import numpy as np
 from jaxmem._src import checks
 from jaxmem._src import jax_compat as _jc
 from jaxmem._src.losses import autochunk as _autochunk
+from jaxmem._src.optimize import budget as _budget
 from jaxmem._src.optimize import intercept as _intercept
 from jaxmem._src.optimize import rewrite as _rw
 from jaxmem._src.scan import api as _scan_api
@@ -92,11 +93,33 @@ class Explanation:
     """
 
     scans: tuple[ScanReport, ...]
+    budget: _budget.BudgetPlan | None = None  # the budget's plan (optimize(..., budget=...))
 
     def __str__(self) -> str:
-        if not self.scans:
-            return "no scan found: the function runs unchanged"
-        return "\n".join(str(s) for s in self.scans)
+        lines = [str(s) for s in self.scans] or ["no scan found: the function runs unchanged"]
+        if self.budget is not None:
+            lines.append(str(self.budget))
+        return "\n".join(lines)
+
+
+_DEFAULT = _budget.Setting("jaxmem", "keep")  # every scan as jaxmem.scan, its step as written
+
+
+def _signature(tree, leaves: list, dynamic: list) -> tuple:
+    """What a budget's plan depends on: the tree, each array's shape, dtype and sharding, and
+    the static leaves (by value where hashable, else by identity)."""
+    parts = []
+    for x, d in zip(leaves, dynamic, strict=True):
+        if d:
+            spec = _budget.abstract(x)
+            parts.append((spec.shape, str(spec.dtype), spec.sharding))
+        else:
+            try:
+                hash(x)
+                parts.append(("static", x))
+            except TypeError:
+                parts.append(("static id", id(x)))
+    return (tree, tuple(parts))
 
 
 def _mib(n: int) -> str:
@@ -114,10 +137,20 @@ class Optimized:
       [0.0, 1.0, 3.0, 6.0]
     """
 
-    def __init__(self, fn: Callable, options: Callable, chunk_loss: bool):
+    def __init__(
+        self,
+        fn: Callable,
+        options: Callable,
+        chunk_loss: bool,
+        budget: int | None = None,
+        objective: str = "flops",
+    ):
         self._fn = fn
         self._options = options
         self._chunk_loss = chunk_loss
+        self._budget = budget
+        self._objective = objective
+        self._plans: dict = {}  # input signature -> (BudgetPlan, Setting)
         functools.update_wrapper(self, fn)
 
     def _traced(self, args, kwargs, caught: _rw.Rewriter):
@@ -145,28 +178,98 @@ class Optimized:
         return closed, arrays, outputs[-1]
 
     def __call__(self, *args, **kwargs):
-        rewriter = _rw.Rewriter(self._options)
-        closed, arrays, (out_tree, static) = self._traced(args, kwargs, _rw.Rewriter(self._options))
-        run = lambda *a: rewriter.eval_closed(closed, a)
-        if self._chunk_loss:
-            run = _autochunk.autochunk(run)
-        computed = iter(run(*arrays))
+        setting = _DEFAULT if self._budget is None else self._planned(args, kwargs)[1]
+        computed, (out_tree, static) = self._run(setting, args, kwargs)
+        computed = iter(computed)
         n = out_tree.num_leaves
         return jax.tree.unflatten(
             out_tree, [static[i] if i in static else next(computed) for i in range(n)]
         )
+
+    def budget_plan(self, *args, **kwargs) -> _budget.BudgetPlan:
+        """The budget's plan at these arguments (planned at the first call for their
+        signature: every setting compiled, nothing run; then cached).
+
+        Raises:
+          ValueError: no budget was given, or no setting fits it.
+        """
+        if self._budget is None:
+            raise ValueError("jaxmem.optimize: budget_plan needs optimize(..., budget=...)")
+        return self._planned(args, kwargs)[0]
+
+    def _rewriter(self, setting: _budget.Setting, **kw) -> _rw.Rewriter:
+        return _rw.Rewriter(
+            setting.options(self._options),
+            step_remat=setting.step_remat,
+            loop=setting.loop,
+            **kw,
+        )
+
+    def _run(self, setting: _budget.Setting, args, kwargs):
+        """The function's array outputs under ``setting``, and (the output tree, its static
+        leaves)."""
+        if setting == _budget.AS_WRITTEN:
+            result = self._fn(*args, **kwargs)
+            out, tree = jax.tree.flatten(result)
+            static = {i: x for i, x in enumerate(out) if not _is_traced_output(x)}
+            return [x for i, x in enumerate(out) if i not in static], (tree, static)
+        closed, arrays, outputs = self._traced(args, kwargs, self._rewriter(setting))
+        rewriter = self._rewriter(setting)
+        run = lambda *a: rewriter.eval_closed(closed, a)
+        if self._chunk_loss:
+            run = _autochunk.autochunk(run)
+        return run(*arrays), outputs
+
+    def _planned(self, args, kwargs):
+        """The budget's plan for these arguments' signature: ``(BudgetPlan, Setting)``, planned
+        at the first call (every setting compiled; nothing runs)."""
+        leaves, tree = jax.tree.flatten((args, kwargs))
+        dynamic = [_is_array(x) for x in leaves]
+        arrays = [x for x, d in zip(leaves, dynamic, strict=True) if d]
+        key = _signature(tree, leaves, dynamic)
+        if key in self._plans:
+            return self._plans[key]
+
+        def run(setting):
+            def flat(*a):
+                it = iter(a)
+                full = [next(it) if d else x for x, d in zip(leaves, dynamic, strict=True)]
+                fa, fk = jax.tree.unflatten(tree, full)
+                return self._run(setting, fa, fk)[0]
+
+            return flat
+
+        cands = list(_budget.settings())
+        trials = _budget.measure(run, cands, arrays)
+        timed = lambda indices: _budget.timed(run, [cands[i] for i in indices], arrays)
+        pick, trials = _budget.choose(trials, self._budget, self._objective, timed)
+        if pick is None:
+            cands += _budget.fallbacks()
+            trials += _budget.measure(run, cands[len(trials) :], arrays)
+            pick, trials = _budget.choose(trials, self._budget, self._objective, timed)
+        if pick is None:
+            raise ValueError(
+                _budget.unreachable("jaxmem.optimize", self._budget, trials, self._chunk_loss)
+            )
+        plan = _budget.BudgetPlan(
+            self._budget, self._objective, trials[pick], trials[0], tuple(trials)
+        )
+        self._plans[key] = (plan, cands[pick])
+        return self._plans[key]
 
     def explain(self, *args, **kwargs) -> Explanation:
         """Each scan of the function at these arguments: rewritten (with the temp bytes of its
         gradient, ``lax.scan``'s and jaxmem's, each loop compiled alone: two compilations per
         scan; for a loss, what the loss's gradient saves by it: one compilation more per scan
         and one of the loss as it is) or left alone, and why."""
+        plan, setting = (None, _DEFAULT) if self._budget is None else self._planned(args, kwargs)
         reports = []
         # The scans the function differentiates itself run as jaxmem.scan (as when called); each
         # is measured where it is met, its differentiation's trace live (those nested in its
         # step are not listed apart).
-        measure = lambda found: reports.extend(_measured([found], self._options))
-        caught = _rw.Rewriter(self._options, on_found=measure)
+        options = setting.options(self._options)
+        measure = lambda found: reports.extend(_measured([found], options))
+        caught = self._rewriter(setting, on_found=measure)
         closed, arrays, _ = self._traced(args, kwargs, caught)
         rewriter = _rw.Rewriter(self._options, rewrite=False)
         outer = []
@@ -174,18 +277,21 @@ class Optimized:
         def run(*a):
             rewriter.eval_closed(closed, a)
             outer.append(len(rewriter.found))  # those after it are nested in a scan's step
-            reports.extend(_measured(rewriter.found, self._options))
+            reports.extend(_measured(rewriter.found, options))
             return []
 
         jax.eval_shape(run, *arrays)
         if not caught.found:  # the loss's own gradient, where the function does not take one
-            saved = _savings_in_context(closed, arrays, self._options, outer[0])
+            saved = _savings_in_context(closed, arrays, options, outer[0])
             reports[: len(saved)] = [
                 dataclasses.replace(r, saved_bytes=b) for r, b in zip(reports, saved, strict=False)
             ]
+        if setting.loop != "jaxmem":  # the budget's plan runs them as lax.scan
+            why = f"the budget's plan runs it as {setting.key}"
+            reports = [ScanReport(r.source, r.length, False, why, r.called_from) for r in reports]
         for source, why in _rw.left_alone(_jc.open_jaxpr(closed)):
             reports.append(ScanReport(source, 0, False, why))
-        return Explanation(tuple(reports))
+        return Explanation(tuple(reports), plan)
 
 
 def _measured(found: list, options: Callable) -> list[ScanReport]:
@@ -275,6 +381,8 @@ def optimize(
     compress: str | None = None,
     chunk_loss: bool = False,
     options: Callable | None = None,
+    budget: int | float | str | None = None,
+    objective: str = "flops",
 ):
     """``fn`` with every ``lax.scan`` it runs replaced by :func:`jaxmem.scan`, its code unchanged.
 
@@ -341,7 +449,23 @@ def optimize(
     else:
         _opts.ScanOptions.create(fname, **given)  # checked once, here
         choose = lambda found: dict(given)
-    if fn is None:
-        return lambda f: optimize(f, chunk_loss=chunk_loss, options=choose)
-    checks.check_callable(fn, "fn", fname)
-    return Optimized(fn, choose, chunk_loss)
+    if objective not in _budget.OBJECTIVES:
+        raise ValueError(
+            f"{fname}: objective must be one of {', '.join(map(repr, _budget.OBJECTIVES))}, "
+            f"got {objective!r}"
+        )
+    if budget is not None:
+        budget = checks.byte_count(budget, "budget", fname)
+        if policy is not None or checkpoints is not None or options is not None:
+            raise TypeError(
+                f"{fname}: budget= chooses each scan's policy and checkpoints; pass budget= or "
+                "policy/checkpoints/options, not both"
+            )
+    elif objective != "flops":
+        raise TypeError(f"{fname}: objective={objective!r} is the budget's; pass budget= with it")
+
+    def make(f):
+        checks.check_callable(f, "fn", fname)
+        return Optimized(f, choose, chunk_loss, budget, objective)
+
+    return make if fn is None else make(fn)

@@ -55,6 +55,13 @@ class Rewriter:
     rewrite: bool = True
     only: int | None = None
     on_found: Callable[[Found], None] | None = None  # called with each scan outside any step
+    # What a scan's step does with its own ``jax.checkpoint`` (a framework's remat): "keep" it,
+    # or "drop" it (the step runs as written without it; the scan's ``policy`` option, if any,
+    # then decides what its gradient recomputes).
+    step_remat: str = "keep"
+    # How a rewritten scan runs: "jaxmem" (jaxmem.scan, the lean residuals) or "lax"
+    # (lax.scan over the re-evaluated step, under ``jax.checkpoint`` of the options' policy).
+    loop: str = "jaxmem"
     _outer: int = 0  # scans met outside any scan's body so far
     _depth: int = 0  # scan bodies being evaluated
 
@@ -90,6 +97,8 @@ class Rewriter:
                 params["policy"],
                 params["prevent_cse"],
             )
+            if self.step_remat == "drop" and self._depth > 0:
+                return list(self._sub(jaxpr)(*invals))
             # jax.checkpoint takes one prevent_cse; remat3 may stage one per input (any: kept).
             prevent_cse = prevent_cse if isinstance(prevent_cse, bool) else any(prevent_cse)
             f = jax.checkpoint(self._sub(jaxpr), prevent_cse=prevent_cse, policy=policy)
@@ -142,14 +151,18 @@ class Rewriter:
             self._outer += 1
         if not self.rewrite or skipped:
             return as_it_is()
-        carry, ys = _scan_api.scan(
+        run = _scan_api.lax_scan if self.loop == "lax" else _scan_api.scan
+        options = self.options(found)
+        if self.loop == "lax":
+            options = {"policy": options.get("policy")}
+        carry, ys = run(
             step,
             list(init),
             list(xs) if xs else None,
             length=params["length"],
             reverse=bool(params["reverse"]),
             unroll=params["unroll"],
-            **self.options(found),
+            **options,
         )
         return [*carry, *ys]
 

@@ -324,6 +324,13 @@ def scan(
         raise
 
 
+def lax_scan(f: Callable, init: Any, xs: Any = None, *, policy: Any = None, **kwargs):
+    """``jax.lax.scan(f, init, xs, **kwargs)`` with ``f`` under ``jax.checkpoint`` of ``policy``
+    (a preset name or a policy; None: no remat): the stock loop, as a framework's remat runs it,
+    bound from jaxmem (:func:`jaxmem.optimize` leaves the scans jaxmem binds as they are)."""
+    return jax.lax.scan(_opts.apply_policy(f, policy, "jaxmem.optimize"), init, xs, **kwargs)
+
+
 def scanned(fn: Callable | None = None, *, recompute: str = "auto", **scan_kwargs):
     """Turns a per-step function ``fn(carry, x)`` into ``g(init, xs, **kw)`` that runs :func:`scan`.
 

@@ -1,0 +1,323 @@
+"""``jaxmem.optimize(fn, budget=...)``: the program of least recompute whose compiled peak fits.
+
+At the first call for each input signature the budget is planned: every :class:`Setting` (the
+function as written, jaxmem's lean scans with the framework's remat kept or replaced, and
+``lax.scan`` under each preset policy) is compiled ahead of time (nothing runs), its peak read
+from ``memory_analysis()`` (temp + arguments + outputs - aliased) and its FLOPs from
+``cost_analysis()``; the setting of fewest FLOPs whose peak is within the budget is taken (ties:
+the smaller peak, then the earlier setting), or with ``objective="time"`` the fastest of those
+that fit, timed on the machine at hand.
+
+The steps: :func:`settings` (the candidates), :func:`measure` (compile each, in threads),
+:func:`choose` (the objective over those within the budget), :func:`unreachable` (the error when
+none fits).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import statistics
+import time as _time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmem._src import jax_compat as _jc
+from jaxmem._src.remat import flops as _flops_mod
+from jaxmem._src.remat import planner as _planner
+
+OBJECTIVES = ("flops", "time")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One way to run the function's scans, the same for every scan.
+
+    Attributes:
+      loop: ``"as written"`` (the function unchanged: its own ``lax.scan`` and remat),
+        ``"jaxmem"`` (each scan as :func:`jaxmem.scan`, the lean residuals) or ``"lax"`` (each
+        scan as ``lax.scan``, the step under ``jax.checkpoint`` of ``policy``).
+      step_remat: ``"keep"`` the ``jax.checkpoint`` inside a scan's step (a framework's remat:
+        ``jax.checkpoint``, ``nnx.remat``, ``eqx.filter_checkpoint``) or ``"drop"`` it (the same
+        values; ``policy`` then decides what the gradient recomputes).
+      policy: a :mod:`jaxmem.policies` preset name for each scan's step, or None (no remat).
+      checkpoints: :func:`jaxmem.scan`'s ``checkpoints=`` (None: every step's residuals kept).
+    """
+
+    loop: str
+    step_remat: str = "keep"
+    policy: str | None = None
+    checkpoints: str | int | None = None
+
+    @property
+    def key(self) -> str:
+        """A short readable name, e.g. ``"lean, dots"`` or ``"lax.scan, full remat"``."""
+        if self.loop == "as written":
+            return "as written"
+        loop = "lean" if self.loop == "jaxmem" else "lax.scan"
+        if self.step_remat == "keep":
+            parts = [loop, "own remat"]
+        else:
+            parts = [loop, _POLICY_KEYS.get(self.policy, self.policy or "no remat")]
+        if self.checkpoints is not None:
+            parts.append(f"checkpoints={self.checkpoints}")
+        return ", ".join(parts)
+
+    def options(self, base: Callable) -> Callable:
+        """``base``'s options for a scan (``jaxmem.optimize``'s others: recompute, offload,
+        compress) with this setting's ``policy`` and ``checkpoints``."""
+        if self.step_remat == "keep":
+            return base
+
+        def options(found):
+            given = dict(base(found), policy=self.policy)
+            if self.loop == "jaxmem":
+                given["checkpoints"] = self.checkpoints
+            return given
+
+        return options
+
+
+_POLICY_KEYS = {None: "no remat", "nothing": "full remat"}
+AS_WRITTEN = Setting("as written")
+
+
+def settings() -> tuple[Setting, ...]:
+    """Step 1: the candidates, in the order ties go to: the function as written, jaxmem's lean
+    scans (the step's own remat kept, or none), ``lax.scan`` under each preset policy (a
+    framework's own choices). jaxmem's lean scans under a preset's policy measure as
+    ``lax.scan``'s under it (the policy decides what is kept), so they are not tried."""
+    lean = [Setting("jaxmem", "keep"), Setting("jaxmem", "drop")]
+    lax = [Setting("lax", "drop", p) for p in (None, "dots", "dots_no_batch", "nothing")]
+    return (AS_WRITTEN, *lean, *lax)
+
+
+def fallbacks() -> tuple[Setting, ...]:
+    """The candidates tried when none of :func:`settings` fits: ``checkpoints="sqrt"`` (each
+    step recomputed from a stored carry, more FLOPs for less memory on long loops)."""
+    return (Setting("jaxmem", "drop", None, "sqrt"), Setting("jaxmem", "drop", "nothing", "sqrt"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Trial:
+    """One setting as compiled: its peak bytes and FLOPs (None where it did not compile, with
+    ``error``), and its median step time in seconds under ``objective="time"``."""
+
+    key: str
+    peak_bytes: int | None
+    flops: float | None
+    seconds: float | None = None
+    error: str = ""
+
+    def __str__(self) -> str:
+        if self.peak_bytes is None:
+            return f"{self.key}: did not compile ({self.error})"
+        timed = f", {self.seconds * 1e3:.2f} ms" if self.seconds is not None else ""
+        return f"{self.key}: peak {_mib(self.peak_bytes)}, {self.flops / 1e9:.3f} GFLOPs{timed}"
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetPlan:
+    """What ``optimize(fn, budget=...)`` chose for one input signature.
+
+    Attributes:
+      budget_bytes: the budget.
+      objective: ``"flops"`` or ``"time"``.
+      chosen: the chosen :class:`Trial` (its ``key`` names the setting).
+      as_written: the function as written, compiled the same way (its own remat).
+      trials: every setting tried, in order.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import jaxmem
+      >>> def loss(w, xs):
+      ...     body = jax.checkpoint(lambda h, x: (jnp.tanh(h @ w + x), None))
+      ...     return jnp.sum(jax.lax.scan(body, jnp.zeros(64), xs)[0])
+      >>> step = jaxmem.optimize(jax.grad(loss), budget="64MiB")
+      >>> plan = step.explain(jnp.eye(64), jnp.ones((32, 64))).budget
+      >>> plan.chosen.peak_bytes <= plan.budget_bytes, plan.chosen.flops <= plan.as_written.flops
+      (True, True)
+    """
+
+    budget_bytes: int
+    objective: str
+    chosen: Trial
+    as_written: Trial
+    trials: tuple[Trial, ...]
+
+    def __str__(self) -> str:
+        c, w = self.chosen, self.as_written
+        lines = [
+            f"budget {_mib(self.budget_bytes)}: {c.key}, peak {_mib(c.peak_bytes)}, "
+            f"{c.flops / 1e9:.3f} GFLOPs ({_ratio(c.flops, w.flops)} of the function as written: "
+            f"peak {_mib(w.peak_bytes)}, {w.flops / 1e9:.3f} GFLOPs)",
+            "tried:",
+        ]
+        lines += [f"  {t}" for t in self.trials]
+        return "\n".join(lines)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.3f}x" if b else "n/a"
+
+
+def peak_bytes(compiled) -> int:
+    """A compiled program's peak: temp + arguments + outputs - aliased (per device)."""
+    m = compiled.memory_analysis()
+    return int(
+        m.temp_size_in_bytes
+        + m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        - m.alias_size_in_bytes
+    )
+
+
+def abstract(x) -> jax.ShapeDtypeStruct:
+    """An argument's shape and dtype, and its sharding where it is a concrete array."""
+    concrete = isinstance(x, jax.Array) and not _is_tracer(x)
+    sharding = x.sharding if concrete else None
+    return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=sharding)
+
+
+def compile_many(
+    run: Callable[[Setting], Callable], cands: Sequence[Setting], specs: Sequence, fast: bool
+) -> list:
+    """``jax.jit(run(setting))`` lowered at ``specs`` and compiled, for each setting, in threads
+    (tracing is not thread-safe; XLA's compiles are, outside the GIL); an exception in place of
+    a program that did not lower or compile. ``fast``: XLA's fast backend level on CPU."""
+    options = _planner._FAST_COMPILE if fast and jax.default_backend() == "cpu" else None
+    lowered = []
+    for s in cands:
+        try:
+            lowered.append(jax.jit(run(s)).lower(*specs))
+        except Exception as e:  # noqa: BLE001 - recorded as the trial's error
+            lowered.append(e)
+
+    def compile_one(low):
+        if isinstance(low, Exception):
+            return low
+        try:
+            return low.compile(options) if options else low.compile()
+        except Exception as e:  # noqa: BLE001 - recorded as the trial's error
+            return e
+
+    workers = max(1, min(len(lowered), os.cpu_count() or 1))
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(compile_one, lowered))
+
+
+def measure(
+    run: Callable[[Setting], Callable], cands: Sequence[Setting], arrays: Sequence
+) -> list[Trial]:
+    """Step 2: each setting compiled at the arrays' shapes (XLA's fast backend level on CPU,
+    whose buffer assignment and FLOPs are the same as the default's): its peak and FLOPs. The
+    function as written must compile (its error is raised); another setting that does not is
+    recorded with its error."""
+    specs = [abstract(a) for a in arrays]
+    out = []
+    for s, comp in zip(cands, compile_many(run, cands, specs, fast=True), strict=True):
+        if isinstance(comp, Exception):
+            if s == AS_WRITTEN:
+                raise comp
+            out.append(Trial(s.key, None, None, error=f"{type(comp).__name__}: {comp}"))
+        else:
+            out.append(Trial(s.key, peak_bytes(comp), _flops_mod._flops(comp)))
+    return out
+
+
+def timed(
+    run: Callable[[Setting], Callable], cands: Sequence[Setting], arrays: Sequence
+) -> list[float]:
+    """Each setting's median step time in seconds on the arrays (zeros where they are tracers:
+    the function called under an outer ``jit``), compiled in full, each run once untimed, then
+    timed in interleaved rounds."""
+    specs = [abstract(a) for a in arrays]
+    compiled = compile_many(run, cands, specs, fast=False)
+    for c in compiled:
+        if isinstance(c, Exception):
+            raise c
+    return time_many(compiled, stand_ins(arrays))
+
+
+# Timed settings within this fraction of the fastest are as fast (the timing's noise): the
+# fewest FLOPs among them is taken, as on an accelerator.
+_TIME_TIE = 0.02
+
+
+def choose(
+    trials: Sequence[Trial], budget: int, objective: str, timed: Callable | None = None
+) -> tuple[int | None, list[Trial]]:
+    """Step 3: the index of the trial chosen (None: none fits), and the trials (with their
+    seconds where timed). ``timed(indices) -> seconds`` times the fitting trials for
+    ``objective="time"`` (one of each set with the same peak and FLOPs: the same program)."""
+    trials = list(trials)
+    fits = [i for i, t in enumerate(trials) if t.peak_bytes is not None and t.peak_bytes <= budget]
+    if not fits:
+        return None, trials
+    by_flops = lambda i: (trials[i].flops, trials[i].peak_bytes, i)
+    if objective != "time" or timed is None:
+        return min(fits, key=by_flops), trials
+    distinct = list({(trials[i].peak_bytes, trials[i].flops): i for i in reversed(fits)}.values())
+    distinct.sort()
+    if len(distinct) == 1:
+        return distinct[0], trials
+    for i, sec in zip(distinct, timed(distinct), strict=True):
+        trials[i] = dataclasses.replace(trials[i], seconds=sec)
+    fastest = min(trials[i].seconds for i in distinct)
+    near = [i for i in distinct if trials[i].seconds <= fastest * (1 + _TIME_TIE)]
+    return min(near, key=by_flops), trials
+
+
+def time_many(fns: Sequence[Callable], args: Sequence, rounds: int = 7) -> list[float]:
+    """The median seconds of each function on ``args``, each run once untimed, then timed in
+    interleaved rounds (A B C .. A B C ..)."""
+    for f in fns:
+        jax.block_until_ready(f(*args))
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for i, f in enumerate(fns):
+            t = _time.perf_counter()
+            jax.block_until_ready(f(*args))
+            times[i].append(_time.perf_counter() - t)
+    return [statistics.median(t) for t in times]
+
+
+def stand_ins(arrays: Sequence) -> list:
+    """Concrete arrays to time on: the arrays themselves, or host zeros where they are tracers
+    (the function called under an outer ``jit``, where ``jnp.zeros`` would be traced too)."""
+    return [np.zeros(np.shape(a), a.dtype) if _is_tracer(a) else a for a in arrays]
+
+
+def _is_tracer(x) -> bool:
+    return isinstance(x, _jc.Tracer)
+
+
+def unreachable(caller: str, budget: int, trials: Sequence[Trial], chunk_loss: bool) -> str:
+    """Step 4: the message when no setting fits: the smallest peak reached, and what would lower
+    it further."""
+    ok = [t for t in trials if t.peak_bytes is not None]
+    low = min(ok, key=lambda t: t.peak_bytes)
+    more = []
+    if jax.default_backend() == "cpu":
+        more.append(
+            "host offload (jaxmem.scan(offload=...); not measurable on CPU, where it is "
+            "the identity)"
+        )
+    else:
+        more.append("host offload of the carries (jaxmem.scan(offload='carries'))")
+    if not chunk_loss:
+        more.append("a chunked loss (chunk_loss=True, or jaxmem.losses.linear_cross_entropy)")
+    more.append("a smaller batch or sequence, or more devices on the mesh")
+    return (
+        f"{caller}: budget={budget} bytes ({_mib(budget)}) is below the smallest reachable peak, "
+        f"{low.peak_bytes} bytes ({_mib(low.peak_bytes)}, {low.key}). What would lower it "
+        f"further: {'; '.join(more)}."
+    )
