@@ -63,7 +63,7 @@ POLICIES = {
 
 
 def _norm(x, g):
-    return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * g
+    return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * g[None, None]
 
 
 def make_step(sizes: Sizes, policy=cp.nothing_saveable, *, remat: bool = True):
@@ -76,7 +76,7 @@ def make_step(sizes: Sizes, policy=cp.nothing_saveable, *, remat: bool = True):
         q, k, v = jnp.split(_norm(x, p["g1"]) @ p["qkv"], 3, -1)
         split = lambda a: a.reshape(b, t, h, d // h)
         s = jnp.einsum("bqhd,bkhd->bhqk", split(q), split(k)) / (d // h) ** 0.5
-        s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9)
+        s = jnp.where(jnp.tril(jnp.ones((t, t), bool))[None, None], s, -1e9)
         a = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), split(v)).reshape(b, t, d)
         x = x + a @ p["o"]
         return x + jax.nn.gelu(_norm(x, p["g2"]) @ p["up"]) @ p["down"]

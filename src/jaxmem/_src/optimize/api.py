@@ -106,13 +106,17 @@ _DEFAULT = _budget.Setting("jaxmem", "keep")  # every scan as jaxmem.scan, its s
 
 
 def _signature(tree, leaves: list, dynamic: list) -> tuple:
-    """What a budget's plan depends on: the tree, each array's shape, dtype and sharding, and
-    the static leaves (by value where hashable, else by identity)."""
+    """What a budget's plan depends on: the tree, each array's shape, dtype and sharding over
+    several devices (an array on one device and a tracer under ``jit`` share a plan), and the
+    static leaves (by value where hashable, else by identity)."""
     parts = []
     for x, d in zip(leaves, dynamic, strict=True):
         if d:
             spec = _budget.abstract(x)
-            parts.append((spec.shape, str(spec.dtype), spec.sharding))
+            sharding = spec.sharding
+            if sharding is not None and len(sharding.device_set) <= 1:
+                sharding = None
+            parts.append((spec.shape, str(spec.dtype), sharding))
         else:
             try:
                 hash(x)

@@ -1,0 +1,226 @@
+"""``jaxmem.optimize(train_step, budget=...)``: the compiled peak within the budget, the fewest
+FLOPs among the framework's own policies that fit, outputs equal to the step as written.
+
+The model is benchmarks.budget's plain-JAX GPT train step (``lax.scan`` over stacked layers,
+``jax.checkpoint(nothing_saveable)`` on the body, ``value_and_grad`` and an SGD-momentum
+update), at small shapes. The framework's own policies are the same step written with each
+``jax.checkpoint_policies`` policy (or no remat), compiled by the test, not by jaxmem.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxmem
+from benchmarks import budget as gpt
+from jaxmem._src.optimize import budget as budget_mod
+
+SIZES = gpt.Sizes(layers=3, d=64, seq=32, batch=4, heads=2, vocab=128)
+
+
+def peak_and_flops(fn, args):
+    peak, flops, _ = gpt.compiled_figures(fn, args)
+    return peak, flops
+
+
+def close(a, b, tol=1e-5):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        np.testing.assert_allclose(x, y, rtol=tol, atol=tol * max(1.0, np.abs(y).max()))
+
+
+@pytest.fixture(scope="module")
+def model():
+    args = gpt.make_args(SIZES)
+    step = gpt.make_step(SIZES)
+    policies = {}
+    for label, policy in gpt.POLICIES.items():
+        fn = gpt.make_step(SIZES, policy, remat=policy is not None)
+        policies[label] = peak_and_flops(fn, args)
+    want = jax.jit(step)(*args)
+    return step, args, policies, want
+
+
+@pytest.fixture(scope="module")
+def trials(model):
+    """Every setting's (peak, FLOPs), planned once at a budget every setting fits."""
+    step, args, _, _ = model
+    plan = jaxmem.optimize(step, budget=2**50).budget_plan(*args)
+    return {t.key: (t.peak_bytes, t.flops) for t in plan.trials}
+
+
+def budgets(policies, trials):
+    lo = min(p for p, _ in policies.values())
+    hi = policies["no remat"][0]
+    lean = trials["lean, no remat"][0]
+    return sorted({int(lo + (hi - lo) * f) for f in (0.0, 1 / 3, 2 / 3, 1.0)} | {int(lean * 1.01)})
+
+
+def test_the_budget_bounds_the_compiled_peak_at_the_fewest_flops(model, trials):
+    step, args, policies, want = model
+    lean_peak, lean_flops = trials["lean, no remat"]
+    no_remat_flops = policies["no remat"][1]
+    assert lean_peak < policies["no remat"][0]  # jaxmem's lean step fits below stock's no remat
+    assert lean_flops <= 1.01 * no_remat_flops
+    for b in budgets(policies, trials):
+        opt = jaxmem.optimize(step, budget=b)
+        peak, flops = peak_and_flops(opt, args)  # jax.jit(optimized), compiled in full
+        assert peak <= b, (b, opt.budget_plan(*args))
+        fit = [f for p, f in policies.values() if p <= b]
+        assert fit, b
+        assert flops <= 1.01 * min(fit), (b, flops, fit)
+        if lean_peak <= b:
+            assert flops <= 1.01 * no_remat_flops, (b, flops)
+        plan = opt.budget_plan(*args)
+        assert plan.chosen.peak_bytes <= b and plan.budget_bytes == b
+        close(jax.jit(opt)(*args), want)
+
+
+def test_planned_figures_are_those_of_the_full_compile(model, trials):
+    """The plan compiles at XLA's fast backend level on CPU: the same peak and FLOPs."""
+    step, args, policies, _ = model
+    assert trials["as written"] == pytest.approx(policies["full remat (default)"], rel=1e-6)
+    assert trials["lax.scan, no remat"] == pytest.approx(policies["no remat"], rel=1e-6)
+    # lax.scan under a preset: the step re-evaluated, checkpointed with prevent_cse=False (as
+    # inside a scan); no more memory or FLOPs than the framework's own jax.checkpoint.
+    for key, own in (
+        ("dots", "dots_saveable"),
+        ("dots_no_batch", "dots_with_no_batch_dims_saveable"),
+    ):
+        (peak, flops), (own_peak, own_flops) = trials[f"lax.scan, {key}"], policies[own]
+        assert peak <= own_peak and flops <= own_flops * (1 + 1e-6), (key, peak, own_peak)
+
+
+def test_a_budget_only_the_function_as_written_fits_runs_it_unchanged(model, trials):
+    step, args, _, want = model
+    b = trials["as written"][0]
+    tighter = [k for k, (p, _) in trials.items() if p < b]
+    opt = jaxmem.optimize(step, budget=b)
+    plan = opt.budget_plan(*args)
+    assert plan.chosen.peak_bytes <= b
+    if not tighter:
+        assert plan.chosen.key in ("as written", "lean, own remat", "lax.scan, full remat")
+    close(opt(*args), want)
+
+
+def test_unreachable_budget_names_the_smallest_peak(model, trials):
+    step, args, _, _ = model
+    smallest = min(p for p, _ in trials.values())
+    with pytest.raises(ValueError, match=r"below the smallest reachable peak, (\d+) bytes") as e:
+        jaxmem.optimize(step, budget=smallest // 4)(*args)
+    reached = int(str(e.value).split("reachable peak, ")[1].split(" ")[0])
+    assert reached <= smallest  # checkpoints='sqrt' tried as the fallback
+    assert "chunked loss" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "budget, want",
+    [("48MiB", 48 * 2**20), ("1.5GB", 1_500_000_000), ("8GiB", 8 * 2**30), (5.2e7, 52_000_000)],
+)
+def test_budget_strings_and_floats(budget, want):
+    opt = jaxmem.optimize(jnp.sin, budget=budget)
+    assert opt._budget == want
+
+
+@pytest.mark.parametrize("bad", [-1, "-1GB", "48 apples", float("nan")])
+def test_bad_budget_raises_value_error(bad):
+    with pytest.raises(ValueError, match="budget must be a size in bytes"):
+        jaxmem.optimize(jnp.sin, budget=bad)
+
+
+def test_budget_option_errors():
+    with pytest.raises(TypeError, match="budget="):
+        jaxmem.optimize(jnp.sin, budget="1GiB", policy="dots")
+    with pytest.raises(TypeError, match="budget="):
+        jaxmem.optimize(jnp.sin, budget="1GiB", checkpoints="sqrt")
+    with pytest.raises(TypeError, match="budget="):
+        jaxmem.optimize(jnp.sin, objective="time")
+    with pytest.raises(ValueError, match="objective"):
+        jaxmem.optimize(jnp.sin, budget="1GiB", objective="memory")
+    with pytest.raises(ValueError, match="budget_plan needs"):
+        jaxmem.optimize(jnp.sin).budget_plan(jnp.ones(3))
+    with pytest.raises(TypeError, match="budget must be a size"):
+        jaxmem.optimize(jnp.sin, budget=[1])
+    deco = jaxmem.optimize(budget="1GiB")(jnp.sin)  # the decorator form
+    assert deco._budget == 2**30
+
+
+def test_plans_once_per_input_signature(monkeypatch):
+    calls = []
+    real = budget_mod.measure
+    monkeypatch.setattr(budget_mod, "measure", lambda *a: calls.append(1) or real(*a))
+
+    def loss(w, xs):
+        body = jax.checkpoint(lambda h, x: (jnp.tanh(h @ w + x), None))
+        return jnp.sum(jax.lax.scan(body, jnp.zeros(8), xs)[0])
+
+    step = jaxmem.optimize(jax.grad(loss), budget="1GiB")
+    w = jnp.eye(8)
+    g = step(w, jnp.ones((6, 8)))
+    step(w, jnp.ones((6, 8)) * 2)  # same signature: planned once
+    jax.jit(step)(w, jnp.ones((6, 8)))  # under jit, on tracers: the same plan
+    assert len(calls) == 1
+    step(w, jnp.ones((9, 8)))  # a new length
+    assert len(calls) == 2
+    step(w.astype(jnp.bfloat16), jnp.ones((9, 8), jnp.bfloat16))  # a new dtype
+    assert len(calls) == 3
+    close(g, jax.grad(loss)(w, jnp.ones((6, 8))))
+
+
+def test_planning_under_an_outer_jit(model):
+    step, args, _, want = model
+    b = model[2]["no remat"][0]
+    opt = jaxmem.optimize(step, budget=b)
+    close(jax.jit(opt)(*args), want)  # planned at the first trace, on tracers
+    assert peak_and_flops(opt, args)[0] <= b
+
+
+def test_objective_time_times_the_fitting_settings(model, trials):
+    step, args, policies, want = model
+    b = 2 * policies["full remat (default)"][0]
+    opt = jaxmem.optimize(step, budget=b, objective="time")
+    plan = opt.budget_plan(*args)
+    fitting = [t for t in plan.trials if t.peak_bytes <= b]
+    assert len(fitting) >= 2
+    timed = [t for t in fitting if t.seconds is not None]
+    assert timed and all(t.peak_bytes <= b for t in timed)
+    assert plan.chosen.seconds is not None
+    assert plan.chosen.seconds <= min(t.seconds for t in timed) * (1 + budget_mod._TIME_TIE)
+    assert all(t.seconds is None for t in plan.trials if t.peak_bytes > b)
+    close(opt(*args), want)
+
+
+def test_explain_shows_the_plan(model):
+    step, args, policies, _ = model
+    b = policies["no remat"][0]
+    text = str(jaxmem.optimize(step, budget=b).explain(*args))
+    assert f"budget {b / 2**20:.1f} MiB" in text
+    assert "as written: peak" in text and "tried:" in text
+
+
+def test_dropped_remat_keeps_the_values():
+    """The step's own remat dropped (and a preset's applied) gives the same values: a remat
+    inside a nested function of the step, its checkpoint names, a scan inside a scan."""
+
+    def loss(w, xs):
+        def inner(h, x):
+            h = jax.checkpoint(lambda h: jnp.sin(h @ w) + x)(h)
+            return h, jnp.sum(h)
+
+        def outer(h, x):
+            h, s = jax.lax.scan(inner, h, x)
+            return h, s
+
+        body = jax.checkpoint(outer, policy=jax.checkpoint_policies.nothing_saveable)
+        h, ys = jax.lax.scan(body, jnp.zeros(4), xs)
+        return jnp.sum(h) + jnp.sum(ys**2)
+
+    w, xs = jnp.eye(4) * 0.7, jnp.linspace(-1, 1, 5 * 3 * 4).reshape(5, 3, 4)
+    want = jax.value_and_grad(loss)(w, xs)
+    opt = jaxmem.optimize(jax.value_and_grad(loss))
+    for setting in budget_mod.settings() + budget_mod.fallbacks():
+        got = jax.jit(lambda w, xs, s=setting: opt._run(s, (w, xs), {})[0])(w, xs)
+        close(got, jax.tree.leaves(want))
