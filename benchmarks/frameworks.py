@@ -40,7 +40,22 @@ Beyond the peers table: ``peak`` (``temp + arguments + outputs - aliased`` of th
 scans' gradients keep, ``lax.scan``'s and jaxmem's, summed over the scans) against the compiled
 temp saving.
 
-Usage: ``python -m benchmarks.frameworks [--quick] [--no-time] [--repeats N] [--json PATH]``.
+``--budget``: the budget study instead (compiled figures only, nothing timed), as
+:mod:`benchmarks.budget` for the plain-JAX GPT: the framework's *train step* written the way its
+users write it (Levanter's Llama: ``eqx.filter_value_and_grad`` of its loss, as its trainer;
+MaxText's llama2: ``jax.value_and_grad`` w.r.t. ``nnx.Param``), then an SGD-momentum update,
+one jitted step ``(params, momentum, ...) -> (loss, params, momentum)``. Each of the framework's
+own remat choices (Levanter: ``gradient_checkpointing`` True, its default, and False; MaxText:
+each of :data:`MAXTEXT_POLICIES`, ``full`` its default) compiled: peak and FLOPs
+(:func:`benchmarks.budget.compiled_figures`). Then ``jaxmem.optimize(default step, budget=B)``
+at four budgets from the leanest own choice's peak to the largest own peak: the setting chosen,
+the peak of ``jax.jit`` of it compiled in full (a failure where above ``B``), its FLOPs over the
+fewest FLOPs among the own choices that fit ``B``, the planning time (``budget_plan``), and the
+largest output error against the default step (:func:`benchmarks.budget.largest_error`; a
+failure above 1e-5).
+
+Usage: ``python -m benchmarks.frameworks [--quick] [--no-time] [--repeats N] [--json PATH]
+[--budget]``.
 """
 
 from __future__ import annotations
@@ -52,6 +67,7 @@ import json
 import os
 import pathlib
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -164,8 +180,9 @@ def _grad_rows(loss: Callable, grad: Callable = jax.value_and_grad) -> tuple[Imp
 # MaxText.
 
 
-def maxtext_cases(s: Sizes, repeats: int) -> list[FrameworkCase]:
-    """MaxText's llama2 decoder, one case per remat policy (case 1)."""
+def _maxtext_parts(s: Sizes, policy: str):
+    """MaxText's llama2 decoder at ``remat_policy=policy``: ``(loss, (params, rest, data), mesh,
+    description)``, ``loss(params, rest, data)`` its pre-training loss (case 1)."""
     os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")  # no Google Cloud dependencies
     import maxtext.configs  # noqa: PLC0415 - optional
     from flax import nnx  # noqa: PLC0415
@@ -174,64 +191,67 @@ def maxtext_cases(s: Sizes, repeats: int) -> list[FrameworkCase]:
     from maxtext.utils import maxtext_utils, model_creation_utils  # noqa: PLC0415
 
     base = os.path.join(os.path.dirname(maxtext.configs.__file__), "base.yml")
+    argv = [
+        "maxtext",
+        base,
+        "model_name=llama2-7b",
+        "override_model_config=True",
+        f"base_num_decoder_layers={s.layers}",
+        f"base_emb_dim={s.emb}",
+        f"base_mlp_dim={s.mlp}",
+        f"base_num_query_heads={s.heads}",
+        f"base_num_kv_heads={s.heads}",
+        f"head_dim={s.head_dim}",
+        f"vocab_size={s.vocab}",
+        f"max_target_length={s.seq}",
+        f"per_device_batch_size={s.batch}",
+        "scan_layers=True",
+        "dtype=float32",
+        "weight_dtype=float32",
+        "attention=dot_product",
+        f"remat_policy={policy}",
+        "enable_checkpointing=False",
+        "skip_jax_distributed_system=True",
+        "dataset_type=synthetic",
+        "run_name=jaxmem-bench",
+        "base_output_directory=/tmp/jaxmem-bench-maxtext",
+    ]
+    if policy == "custom":
+        argv += [f"{name}=device" for name in MAXTEXT_NAMED_TENSORS]
+    config = pyconfig.initialize(argv)
+    mesh = maxtext_utils.get_mesh_from_config(config)
+    model = model_creation_utils.from_config(
+        config, mesh=mesh, rngs=nnx.Rngs(params=0, dropout=1, aqt=2)
+    )
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    b, t = s.batch, s.seq
+    tokens = jax.random.randint(jax.random.key(1), (b, t + 1), 0, s.vocab)
+    ones = jnp.ones((b, t), jnp.int32)
+    data = {
+        "inputs": tokens[:, :-1],
+        "targets": tokens[:, 1:],
+        "inputs_position": jnp.broadcast_to(jnp.arange(t), (b, t)),
+        "inputs_segmentation": ones,
+        "targets_segmentation": ones,
+    }
+
+    def loss(params, rest, data, graphdef=graphdef, config=config):
+        """train_step's diff_wrapper: the model merged from its state, then loss_fn."""
+        model = nnx.merge(graphdef, params, rest, copy=True)
+        value, _aux = train.loss_fn(model, config, dict(data), None, None, is_train=True)
+        return value
+
+    custom = " (every named tensor on device)" if policy == "custom" else ""
+    description = f"MaxText llama2 decoder (NNX), {s}, scan_layers, f32, remat_policy={policy}"
+    return loss, (params, rest, data), mesh, description + custom
+
+
+def maxtext_cases(s: Sizes, repeats: int) -> list[FrameworkCase]:
+    """MaxText's llama2 decoder, one case per remat policy (case 1)."""
     out = []
     for policy in MAXTEXT_POLICIES:
-        argv = [
-            "maxtext",
-            base,
-            "model_name=llama2-7b",
-            "override_model_config=True",
-            f"base_num_decoder_layers={s.layers}",
-            f"base_emb_dim={s.emb}",
-            f"base_mlp_dim={s.mlp}",
-            f"base_num_query_heads={s.heads}",
-            f"base_num_kv_heads={s.heads}",
-            f"head_dim={s.head_dim}",
-            f"vocab_size={s.vocab}",
-            f"max_target_length={s.seq}",
-            f"per_device_batch_size={s.batch}",
-            "scan_layers=True",
-            "dtype=float32",
-            "weight_dtype=float32",
-            "attention=dot_product",
-            f"remat_policy={policy}",
-            "enable_checkpointing=False",
-            "skip_jax_distributed_system=True",
-            "dataset_type=synthetic",
-            "run_name=jaxmem-bench",
-            "base_output_directory=/tmp/jaxmem-bench-maxtext",
-        ]
-        if policy == "custom":
-            argv += [f"{name}=device" for name in MAXTEXT_NAMED_TENSORS]
-        config = pyconfig.initialize(argv)
-        mesh = maxtext_utils.get_mesh_from_config(config)
-        model = model_creation_utils.from_config(
-            config, mesh=mesh, rngs=nnx.Rngs(params=0, dropout=1, aqt=2)
-        )
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        b, t = s.batch, s.seq
-        tokens = jax.random.randint(jax.random.key(1), (b, t + 1), 0, s.vocab)
-        ones = jnp.ones((b, t), jnp.int32)
-        data = {
-            "inputs": tokens[:, :-1],
-            "targets": tokens[:, 1:],
-            "inputs_position": jnp.broadcast_to(jnp.arange(t), (b, t)),
-            "inputs_segmentation": ones,
-            "targets_segmentation": ones,
-        }
-
-        def loss(params, rest, data, graphdef=graphdef, config=config):
-            """train_step's diff_wrapper: the model merged from its state, then loss_fn."""
-            model = nnx.merge(graphdef, params, rest, copy=True)
-            value, _aux = train.loss_fn(model, config, dict(data), None, None, is_train=True)
-            return value
-
-        description = (
-            f"MaxText llama2 decoder (NNX), {s}, scan_layers, f32, remat_policy={policy}"
-            + (" (every named tensor on device)" if policy == "custom" else "")
-            + "; train loss_fn, grad w.r.t. nnx.Param"
-        )
-        args = (params, rest, data)
+        loss, args, mesh, description = _maxtext_parts(s, policy)
+        description += "; train loss_fn, grad w.r.t. nnx.Param"
         out.append(
             FrameworkCase(
                 Case(f"maxtext {policy}", description, _grad_rows(loss), args, repeats),
@@ -246,39 +266,64 @@ def maxtext_cases(s: Sizes, repeats: int) -> list[FrameworkCase]:
 # Levanter.
 
 
-def levanter_cases(s: Sizes, repeats: int) -> list[FrameworkCase]:
-    """Levanter's Llama and GPT-2, gradient checkpointing on (default) and off (case 2)."""
+@dataclasses.dataclass(frozen=True)
+class LevanterParts:
+    """A Levanter LM at one setting: its arrays and the rest (``eqx.partition``), a batch of
+    token ids, the batch axis, the loss of its ``train_lm`` and the model's config."""
+
+    params: Any
+    static: Any
+    tokens: Any
+    batch: Any
+    loss: Callable
+    config: Any
+
+
+def _levanter_parts(s: Sizes, kind: str, gc: Any) -> LevanterParts:
+    """Levanter's ``kind`` (``"llama"``, ``"gpt2"``) LMHeadModel, ``gradient_checkpointing=gc``."""
     import equinox as eqx  # noqa: PLC0415 - optional, Levanter's
     import haliax as hax  # noqa: PLC0415
     from levanter.models.gpt2 import Gpt2Config, Gpt2LMHeadModel  # noqa: PLC0415
     from levanter.models.llama import LlamaConfig, LlamaLMHeadModel  # noqa: PLC0415
-    from levanter.models.lm_model import LmExample  # noqa: PLC0415
 
     vocab, batch = hax.Axis("vocab", s.vocab), hax.Axis("batch", s.batch)
+    shared = dict(
+        max_seq_len=s.seq,
+        hidden_dim=s.emb,
+        num_layers=s.layers,
+        num_heads=s.heads,
+        gradient_checkpointing=gc,
+    )
+    if kind == "llama":
+        llama = dict(intermediate_dim=s.mlp, num_kv_heads=s.heads, head_dim=s.head_dim)
+        config, lm = LlamaConfig(**shared, **llama), LlamaLMHeadModel
+    else:
+        config, lm = Gpt2Config(**shared), Gpt2LMHeadModel
+    model = lm.init(vocab, config, key=jax.random.key(0))
+    params, static = eqx.partition(model, eqx.is_array)
+    tokens = hax.random.randint(jax.random.key(1), (batch, config.max_Pos), 0, s.vocab)
+
+    def loss_function(model, example, *, key=None):
+        """train_lm's loss (the trainer's loss_fn returns it as a scalar)."""
+        return model.compute_next_token_loss(example, key=key).scalar()
+
+    return LevanterParts(params, static, tokens, batch, loss_function, config)
+
+
+def levanter_cases(s: Sizes, repeats: int) -> list[FrameworkCase]:
+    """Levanter's Llama and GPT-2, gradient checkpointing on (default) and off (case 2)."""
+    import equinox as eqx  # noqa: PLC0415 - optional, Levanter's
+    import haliax as hax  # noqa: PLC0415
+    from levanter.models.lm_model import LmExample  # noqa: PLC0415
+
     out = []
     for kind in ("llama", "gpt2"):
         for gc in (True, False):
-            shared = dict(
-                max_seq_len=s.seq,
-                hidden_dim=s.emb,
-                num_layers=s.layers,
-                num_heads=s.heads,
-                gradient_checkpointing=gc,
-            )
-            if kind == "llama":
-                llama = dict(intermediate_dim=s.mlp, num_kv_heads=s.heads, head_dim=s.head_dim)
-                config, lm = LlamaConfig(**shared, **llama), LlamaLMHeadModel
-            else:
-                config, lm = Gpt2Config(**shared), Gpt2LMHeadModel
-            model = lm.init(vocab, config, key=jax.random.key(0))
-            params, static = eqx.partition(model, eqx.is_array)
-            tokens = hax.random.randint(jax.random.key(1), (batch, config.max_Pos), 0, s.vocab)
+            parts = _levanter_parts(s, kind, gc)
+            params, static, tokens, batch = parts.params, parts.static, parts.tokens, parts.batch
+            loss_function = parts.loss
 
-            def loss_function(model, example, *, key=None):
-                """train_lm's loss (the trainer's loss_fn returns it as a scalar)."""
-                return model.compute_next_token_loss(example, key=key).scalar()
-
-            def step(loss, static=static):
+            def step(loss, static=static, batch=batch):
                 def value_and_grad(arrays, token_ids):
                     model = eqx.combine(arrays, static)
                     example = hax.vmap(LmExample.causal, batch)(token_ids)
@@ -286,7 +331,9 @@ def levanter_cases(s: Sizes, repeats: int) -> list[FrameworkCase]:
 
                 return value_and_grad
 
-            def explain(params=params, static=static, tokens=tokens, loss=loss_function):
+            def explain(
+                params=params, static=static, tokens=tokens, loss=loss_function, batch=batch
+            ):
                 example = hax.vmap(LmExample.causal, batch)(tokens)
                 return jaxmem.optimize(loss).explain(eqx.combine(params, static), example)
 
@@ -554,6 +601,278 @@ def to_dict(results: Sequence[tuple[peers.Result, Claim | None]], quick: bool) -
     return out
 
 
+# ----------------------------------------------------------------------------------------------
+# Budget study: jaxmem.optimize(train_step, budget=B) against the framework's own remat choices.
+
+LEVANTER_GC = (True, False, "nested")
+"""Levanter's ``gradient_checkpointing`` values measured by ``--budget`` (True, its default,
+first: each scanned layer under ``eqx.filter_checkpoint``; False: none; ``"nested"``: the
+stack scanned as sqrt-sized blocks of layers, each block's carries recomputed). Its others:
+``"recompute"``/``"full"`` build the same checkpoint as True, ``"save_all"`` keeps what False
+does, ``"offload"`` moves to ``pinned_host`` (not on one CPU)."""
+
+BUDGET_FRACTIONS = (0.0, 1 / 3, 2 / 3, 1.0)
+"""The budgets of ``--budget``: from the leanest own choice's peak to the largest own peak."""
+
+BUDGET_ERROR_BAR = 1e-5
+"""The largest output error (:func:`benchmarks.budget.largest_error`) a plan may have."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetStudy:
+    """One framework model's train steps, one per own remat choice (the default first).
+
+    Attributes:
+      name: the model, e.g. ``"levanter llama"``.
+      description: the model, its loss and its train step.
+      steps: own choice's label -> the train step ``(*args) -> (loss, params, momentum)``.
+      args: the step's arguments.
+      context: a context manager the study is measured in (MaxText's mesh), or None.
+    """
+
+    name: str
+    description: str
+    steps: dict[str, Callable]
+    args: tuple
+    context: Callable[[], Any] | None = None
+
+    @property
+    def default(self) -> str:
+        """The label of the framework's default choice (the first)."""
+        return next(iter(self.steps))
+
+
+def _sgd_momentum(params, momentum, grads, lr: float = 1e-2, beta: float = 0.9):
+    """An SGD-momentum update (as :func:`benchmarks.budget.make_step`): new params, momentum."""
+    momentum = jax.tree.map(lambda m, g: beta * m + g, momentum, grads)
+    params = jax.tree.map(lambda p, m: p - lr * m, params, momentum)
+    return params, momentum
+
+
+def _retree(tree, to):
+    """``tree``'s leaves in the tree structure ``to``."""
+    return jax.tree.unflatten(to, jax.tree.leaves(tree))
+
+
+def levanter_budget_studies(s: Sizes) -> list[BudgetStudy]:
+    """Levanter's Llama, a train step per ``gradient_checkpointing`` (True, its default, first):
+    ``eqx.filter_value_and_grad`` of its ``train_lm`` loss, as its trainer, then SGD-momentum."""
+    import equinox as eqx  # noqa: PLC0415 - optional, Levanter's
+    import haliax as hax  # noqa: PLC0415
+    from levanter.models.lm_model import LmExample  # noqa: PLC0415
+
+    steps, args, tree = {}, None, None
+    for gc in LEVANTER_GC:
+        parts = _levanter_parts(s, "llama", gc)
+
+        def train_step(arrays, momentum, token_ids, parts=parts):
+            model = eqx.combine(arrays, parts.static)
+            example = hax.vmap(LmExample.causal, parts.batch)(token_ids)
+            value, grads = eqx.filter_value_and_grad(parts.loss)(model, example)
+            grads = eqx.filter(grads, eqx.is_array)
+            arrays, momentum = _sgd_momentum(arrays, momentum, grads)
+            return value, arrays, momentum
+
+        if args is None:  # the default's arrays (the same key and shapes for every choice)
+            momentum = jax.tree.map(jnp.zeros_like, parts.params)
+            args, tree = (parts.params, momentum, parts.tokens), jax.tree.structure(parts.params)
+        else:  # its tree holds its config (gradient_checkpointing): the default's arrays in it
+            own = jax.tree.structure(parts.params)
+            shapes = [(x.shape, x.dtype) for x in jax.tree.leaves(parts.params)]
+            assert shapes == [(x.shape, x.dtype) for x in jax.tree.leaves(args[0])], gc
+
+            def train_step(arrays, momentum, token_ids, step=train_step, own=own, tree=tree):
+                out = step(_retree(arrays, own), _retree(momentum, own), token_ids)
+                return out[0], _retree(out[1], tree), _retree(out[2], tree)
+
+        steps[f"gradient_checkpointing={gc}"] = train_step
+    description = (
+        f"Levanter llama LMHeadModel, L={s.layers} emb={s.emb} mlp={s.mlp} heads={s.heads}, "
+        f"V={s.vocab} B={s.batch} S={s.seq}, scan_layers, f32; compute_next_token_loss, "
+        "eqx.filter_value_and_grad, SGD-momentum update, one jitted step"
+    )
+    return [BudgetStudy("levanter llama", description, steps, args)]
+
+
+def maxtext_budget_studies(s: Sizes) -> list[BudgetStudy]:
+    """MaxText's llama2 decoder, a train step per ``remat_policy`` (``full``, its default,
+    first): ``jax.value_and_grad`` of its pre-training loss w.r.t. ``nnx.Param``, then
+    SGD-momentum."""
+    steps, args, mesh = {}, None, None
+    for policy in MAXTEXT_POLICIES:
+        loss, (params, rest, data), mesh_p, _ = _maxtext_parts(s, policy)
+
+        def train_step(params, momentum, rest, data, loss=loss):
+            value, grads = jax.value_and_grad(loss)(params, rest, data)
+            params, momentum = _sgd_momentum(params, momentum, grads)
+            return value, params, momentum
+
+        steps[f"remat_policy={policy}"] = train_step
+        if args is None:
+            momentum = jax.tree.map(jnp.zeros_like, params)
+            args, mesh = (params, momentum, rest, data), mesh_p
+    description = (
+        f"MaxText llama2 decoder (NNX), {s}, scan_layers, f32; train loss_fn, "
+        "jax.value_and_grad w.r.t. nnx.Param, SGD-momentum update, one jitted step"
+    )
+    return [BudgetStudy("maxtext llama2", description, steps, args, lambda: jax.set_mesh(mesh))]
+
+
+BUDGET_BUILDERS = {"maxtext": maxtext_budget_studies, "levanter": levanter_budget_studies}
+
+
+def _budgets(peaks: Sequence[int]) -> list[int]:
+    """:data:`BUDGET_FRACTIONS` of the way from the least to the largest of ``peaks``."""
+    lo, hi = min(peaks), max(peaks)
+    return sorted({int(lo + (hi - lo) * f) for f in BUDGET_FRACTIONS})
+
+
+def budget_study(study: BudgetStudy, progress: bool = False) -> dict[str, Any]:
+    """The study's own choices (compiled peak and FLOPs) and ``optimize(default, budget=B)`` at
+    each of :func:`_budgets`: the chosen setting, the peak and FLOPs of ``jax.jit`` of it
+    compiled in full, the fewest FLOPs among the own choices that fit ``B``, the planning time
+    (``budget_plan``) and the largest output error against the default step's. A failure is
+    recorded in ``failures`` (with its traceback), never raised."""
+    import traceback  # noqa: PLC0415
+
+    from benchmarks.budget import compiled_figures, largest_error  # noqa: PLC0415
+    from jaxmem._src.optimize import budget as _budget_mod  # noqa: PLC0415
+
+    def say(text: str) -> None:
+        if progress:
+            print(f"  {study.name}: {text}", file=sys.stderr, flush=True)
+
+    args = study.args
+    out: dict[str, Any] = {
+        "name": study.name,
+        "description": study.description,
+        "default": study.default,
+        "policies": {},
+        "plans": [],
+        "failures": [],
+    }
+    ctx = study.context() if study.context is not None else _null()
+    with ctx:
+        programs = {}
+        for label, fn in study.steps.items():
+            say(f"compiling {label}")
+            try:
+                peak, flops, comp = compiled_figures(fn, args)
+            except Exception:  # noqa: BLE001 - recorded
+                tb = traceback.format_exc()
+                out["policies"][label] = {"error": tb}
+                out["failures"].append(f"own choice {label}: compile failed\n{tb}")
+                continue
+            programs[label] = comp
+            out["policies"][label] = {"peak": peak, "flops": flops}
+        if study.default not in programs:
+            out["failures"].append("the default step did not compile: no budgets")
+            return out
+        want = programs[study.default](*args)
+        out["policy_spread"] = max(largest_error(p(*args), want) for p in programs.values())
+        own = {k: p for k, p in out["policies"].items() if "peak" in p}
+        for b in _budgets([p["peak"] for p in own.values()]):
+            fit = [p["flops"] for p in own.values() if p["peak"] <= b]
+            row: dict[str, Any] = {"budget": b, "least_policy_flops": min(fit) if fit else None}
+            out["plans"].append(row)
+            say(f"planning at budget {format_mib(b)}")
+            try:
+                # Cold: jaxmem shares the measured settings between optimize(fn, budget=...) of
+                # one function (budget._MEASURED), so that another budget's plan is a cache hit;
+                # planning_s is with the cache emptied, planning_cached_s a second plan's.
+                getattr(_budget_mod, "_MEASURED", {}).clear()
+                opt = jaxmem.optimize(study.steps[study.default], budget=b)
+                t = time.perf_counter()
+                plan = opt.budget_plan(*args)
+                row["planning_s"] = time.perf_counter() - t
+                t = time.perf_counter()
+                jaxmem.optimize(study.steps[study.default], budget=b).budget_plan(*args)
+                row["planning_cached_s"] = time.perf_counter() - t
+                row["chosen"] = plan.chosen.key
+                row["planned_peak"] = plan.chosen.peak_bytes
+                row["planned_flops"] = plan.chosen.flops
+                row["trials"] = [str(x) for x in plan.trials]
+                say(f"chose {plan.chosen.key}; compiling it in full")
+                peak, flops, comp = compiled_figures(opt, args)
+                row["peak"], row["flops"] = peak, flops
+                row["error"] = largest_error(comp(*args), want)
+            except Exception:  # noqa: BLE001 - recorded, not fixed
+                tb = traceback.format_exc()
+                row["exception"] = tb
+                out["failures"].append(f"budget {b} ({format_mib(b)}): exception\n{tb}")
+                continue
+            if row["peak"] > b:
+                out["failures"].append(
+                    f"budget {b} ({format_mib(b)}): {row['chosen']} compiled peak {row['peak']} "
+                    f"({format_mib(row['peak'])}) > budget (planned {row['planned_peak']})"
+                )
+            if row["error"] > BUDGET_ERROR_BAR:
+                out["failures"].append(
+                    f"budget {b} ({format_mib(b)}): {row['chosen']} output error "
+                    f"{row['error']:.3e} > {BUDGET_ERROR_BAR:.0e}"
+                )
+    return out
+
+
+def budget_rows(quick: bool, progress: bool = False) -> list[dict[str, Any]]:
+    """:func:`budget_study` of each installed framework's models (Levanter's Llama, MaxText's
+    llama2); a model that fails to build is a study with only its failure."""
+    import traceback  # noqa: PLC0415
+
+    s = QUICK if quick else FULL
+    out = []
+    for module, ok in installed().items():
+        if not ok or module not in BUDGET_BUILDERS:
+            continue
+        try:
+            studies = BUDGET_BUILDERS[module](s)
+        except Exception:  # noqa: BLE001 - reported
+            failure = f"building the model failed\n{traceback.format_exc()}"
+            out.append({"name": module, "policies": {}, "plans": [], "failures": [failure]})
+            continue
+        out += [budget_study(st, progress) for st in studies]
+    return out
+
+
+def format_budget_table(studies: Sequence[dict[str, Any]]) -> str:
+    """Per study: each own choice's peak and GFLOPs; each budget's chosen setting, its compiled
+    peak, its FLOPs over the fewest of the own choices that fit, planning seconds and error."""
+    lines = []
+    for st in studies:
+        lines += [f"{st['name']}: {st.get('description', '')}", "  framework's own choices:"]
+        for label, p in st["policies"].items():
+            if "peak" not in p:
+                lines.append(f"    {label:40s} failed to compile")
+                continue
+            mark = "  (default)" if label == st.get("default") else ""
+            lines.append(
+                f"    {label:40s} peak {format_mib(p['peak']):>12s}  "
+                f"{p['flops'] / 1e9:8.4f} GFLOPs{mark}"
+            )
+        if "policy_spread" in st:
+            lines.append(f"    (outputs differ from the default's by {st['policy_spread']:.1e})")
+        if st["plans"]:
+            lines.append(f"  jaxmem.optimize({st.get('default', 'step')} step, budget=B):")
+        for p in st["plans"]:
+            head = f"    B {format_mib(p['budget']):>12s}: "
+            if "exception" in p:
+                lines.append(head + "exception (see failures)")
+                continue
+            least = p["least_policy_flops"]
+            ratio = f"{p['flops'] / least:.4f}x" if least else "n/a (no own choice fits)"
+            fits = "<= B" if p["peak"] <= p["budget"] else "> B !"
+            lines.append(
+                head + f"{p['chosen']:28s} peak {format_mib(p['peak']):>12s} ({fits})  "
+                f"{p['flops'] / 1e9:8.4f} GFLOPs, {ratio} the least-FLOPs own choice that fits  "
+                f"plan {p['planning_s']:.1f} s (cached {p['planning_cached_s']:.1f} s)  "
+                f"err {p['error']:.1e}"
+            )
+        if st["failures"]:
+            lines += ["  failures:"] + [f"    {f}" for f in st["failures"]]
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs every installed framework's cases and prints the table.
 
@@ -565,7 +884,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-time", action="store_true", help="compile and run each row once")
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 7)")
     parser.add_argument("--json", type=pathlib.Path, help="write every figure to this file")
+    parser.add_argument(
+        "--budget",
+        action="store_true",
+        help="the budget study instead: optimize(train_step, budget=B) against the framework's "
+        "own remat choices (compiled figures only, no timing)",
+    )
     args = parser.parse_args(argv)
+    if args.budget:
+        return _budget_main(args)
     repeats = args.repeats or (3 if args.quick else harness.MIN_REPEATS)
     env = harness.environment()
     print(
@@ -582,6 +909,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.json.write_text(json.dumps(data, indent=2, default=harness.json_default) + "\n")
         print(f"wrote {args.json}")
     return 1 if any(row.error for r, _ in results for row in r.rows) else 0
+
+
+def _budget_main(args) -> int:
+    """``--budget``: prints :func:`format_budget_table`; 1 if a study recorded a failure."""
+    env = harness.environment()
+    print(
+        f"frameworks budget study | jax {env['jax_version']} | backend {env['backend']} "
+        f"({env['device_kind']}) | python {env['python']} | {env['date']}\n{status_line()}\n"
+        f"sizes: {QUICK if args.quick else FULL}",
+        flush=True,
+    )
+    studies = budget_rows(args.quick, progress=True)
+    if studies:
+        print(format_budget_table(studies))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        data = {
+            **env,
+            "frameworks": {d: peers._version(d) for d in FRAMEWORKS.values()},
+            "sizes": dataclasses.asdict(QUICK if args.quick else FULL),
+            "studies": studies,
+        }
+        args.json.write_text(json.dumps(data, indent=2, default=harness.json_default) + "\n")
+        print(f"wrote {args.json}")
+    return 1 if any(st["failures"] for st in studies) else 0
 
 
 if __name__ == "__main__":

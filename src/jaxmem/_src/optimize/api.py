@@ -148,8 +148,10 @@ class Optimized:
         chunk_loss: bool,
         budget: int | None = None,
         objective: str = "flops",
+        options_key: str | None = None,
     ):
         self._fn = fn
+        self._options_key = options_key  # the options as given, for sharing a budget's trials
         self._options = options
         self._chunk_loss = chunk_loss
         self._budget = budget
@@ -243,13 +245,15 @@ class Optimized:
 
             return flat
 
+        shared = (self._options_key, self._chunk_loss, key)  # None: this object's own
+        shared = shared if self._options_key is not None else (id(self), key)
         cands = list(_budget.settings())
-        trials = _budget.measure(run, cands, arrays)
+        trials = _budget.measured(self._fn, shared, run, cands, arrays)
         timed = lambda indices: _budget.timed(run, [cands[i] for i in indices], arrays)
         pick, trials = _budget.choose(trials, self._budget, self._objective, timed)
         if pick is None:
             cands += _budget.fallbacks()
-            trials += _budget.measure(run, cands[len(trials) :], arrays)
+            trials += _budget.measured(self._fn, shared, run, cands[len(trials) :], arrays)
             pick, trials = _budget.choose(trials, self._budget, self._objective, timed)
         if pick is None:
             raise ValueError(
@@ -450,9 +454,11 @@ def optimize(
                 "offload/checkpoints/compress, not both"
             )
         choose = options
+        options_key = None
     else:
         _opts.ScanOptions.create(fname, **given)  # checked once, here
         choose = lambda found: dict(given)
+        options_key = repr(sorted(given.items()))
     if objective not in _budget.OBJECTIVES:
         raise ValueError(
             f"{fname}: objective must be one of {', '.join(map(repr, _budget.OBJECTIVES))}, "
@@ -470,6 +476,6 @@ def optimize(
 
     def make(f):
         checks.check_callable(f, "fn", fname)
-        return Optimized(f, choose, chunk_loss, budget, objective)
+        return Optimized(f, choose, chunk_loss, budget, objective, options_key)
 
     return make if fn is None else make(fn)

@@ -15,6 +15,7 @@ none fits).
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import os
@@ -231,6 +232,30 @@ def measure(
         else:
             out.append(Trial(s.key, peak_bytes(comp), _flops_mod._flops(comp)))
     return out
+
+
+# Measured settings by (function, its options, input signature, settings): each optimize(fn,
+# budget=...) of one function and options shares them (the trials do not depend on the budget).
+# The function is held with them, so that its id is not reused while the entry lives.
+_MEASURED: collections.OrderedDict = collections.OrderedDict()
+_MEASURED_SIZE = 32
+
+
+def measured(
+    fn: Callable, key: tuple, run: Callable, cands: Sequence[Setting], arrays: Sequence
+) -> list[Trial]:
+    """:func:`measure`, cached by ``(fn, key, cands)`` (``key``: the options and the input
+    signature) over every optimized function."""
+    full = (id(fn), key, tuple(cands))
+    hit = _MEASURED.get(full)
+    if hit is not None and hit[0] is fn:
+        _MEASURED.move_to_end(full)
+        return list(hit[1])
+    trials = measure(run, cands, arrays)
+    _MEASURED[full] = (fn, tuple(trials))
+    while len(_MEASURED) > _MEASURED_SIZE:
+        _MEASURED.popitem(last=False)
+    return trials
 
 
 def timed(
