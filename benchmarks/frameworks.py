@@ -791,7 +791,10 @@ def budget_study(study: BudgetStudy, progress: bool = False) -> dict[str, Any]:
                 row["chosen"] = plan.chosen.key
                 row["planned_peak"] = plan.chosen.peak_bytes
                 row["planned_flops"] = plan.chosen.flops
-                row["trials"] = [str(x) for x in plan.trials]
+                row["trials"] = [
+                    {"key": x.key, "peak": x.peak_bytes, "flops": x.flops, "error": x.error}
+                    for x in plan.trials
+                ]
                 say(f"chose {plan.chosen.key}; compiling it in full")
                 peak, flops, comp = compiled_figures(opt, args)
                 row["peak"], row["flops"] = peak, flops
