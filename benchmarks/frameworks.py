@@ -45,12 +45,13 @@ temp saving.
 users write it (Levanter's Llama: ``eqx.filter_value_and_grad`` of its loss, as its trainer;
 MaxText's llama2: ``jax.value_and_grad`` w.r.t. ``nnx.Param``), then an SGD-momentum update,
 one jitted step ``(params, momentum, ...) -> (loss, params, momentum)``. Each of the framework's
-own remat choices (Levanter: ``gradient_checkpointing`` True, its default, and False; MaxText:
-each of :data:`MAXTEXT_POLICIES`, ``full`` its default) compiled: peak and FLOPs
+own remat choices (Levanter: each of :data:`LEVANTER_GC`, True its default; MaxText: each of
+:data:`MAXTEXT_POLICIES`, ``full`` its default) compiled: peak and FLOPs
 (:func:`benchmarks.budget.compiled_figures`). Then ``jaxmem.optimize(default step, budget=B)``
 at four budgets from the leanest own choice's peak to the largest own peak: the setting chosen,
 the peak of ``jax.jit`` of it compiled in full (a failure where above ``B``), its FLOPs over the
-fewest FLOPs among the own choices that fit ``B``, the planning time (``budget_plan``), and the
+fewest FLOPs among the own choices that fit ``B``, the planning time (``budget_plan``; cold,
+jaxmem's cache of measured settings emptied, and a second plan's, a cache hit), and the
 largest output error against the default step (:func:`benchmarks.budget.largest_error`; a
 failure above 1e-5).
 

@@ -18,6 +18,7 @@ from jaxmem._src.losses import autochunk as _autochunk
 from jaxmem._src.optimize import budget as _budget
 from jaxmem._src.optimize import intercept as _intercept
 from jaxmem._src.optimize import rewrite as _rw
+from jaxmem._src.remat import planner as _planner
 from jaxmem._src.scan import api as _scan_api
 from jaxmem._src.scan import options as _opts
 
@@ -149,8 +150,12 @@ class Optimized:
         budget: int | None = None,
         objective: str = "flops",
         options_key: str | None = None,
+        plan: Any = None,
+        op_names: bool = False,
     ):
         self._fn = fn
+        self._plan = plan  # a jaxmem.Plan applied to every scan (policy="auto"), or None
+        self._op_names = op_names  # the steps' values named by op kind (rewrite.op_kind)
         self._options_key = options_key  # the options as given, for sharing a budget's trials
         self._options = options
         self._chunk_loss = chunk_loss
@@ -185,7 +190,11 @@ class Optimized:
 
     def __call__(self, *args, **kwargs):
         setting = _DEFAULT if self._budget is None else self._planned(args, kwargs)[1]
-        computed, (out_tree, static) = self._run(setting, args, kwargs)
+        if self._plan is None:
+            computed, (out_tree, static) = self._run(setting, args, kwargs)
+        else:
+            with _planner.use_plan(self._plan):
+                computed, (out_tree, static) = self._run(setting, args, kwargs)
         computed = iter(computed)
         n = out_tree.num_leaves
         return jax.tree.unflatten(
@@ -208,6 +217,7 @@ class Optimized:
             setting.options(self._options),
             step_remat=setting.step_remat,
             loop=setting.loop,
+            op_names=self._op_names,
             **kw,
         )
 
@@ -327,6 +337,13 @@ def _measured(found: list, options: Callable) -> list[ScanReport]:
     return reports
 
 
+def by_op_kind(fn: Callable) -> Optimized:
+    """``fn`` with each scan a ``policy="auto"`` :func:`jaxmem.scan` and its step's values named
+    by op kind (:func:`~jaxmem._src.optimize.rewrite.op_kind`): what :func:`jaxmem.plan` plans
+    on a program that names none (``optimize(fn, plan=p)`` applies the plan)."""
+    return Optimized(fn, lambda found: {"policy": "auto"}, False, op_names=True)
+
+
 def _savings_in_context(closed, arrays: list, options: Callable, count: int) -> list[int]:
     """For each of the first ``count`` scans met outside any scan's step: the temp bytes of the
     function's ``value_and_grad`` (with respect to its float arguments) under ``lax.scan`` less
@@ -391,6 +408,7 @@ def optimize(
     options: Callable | None = None,
     budget: int | float | str | None = None,
     objective: str = "flops",
+    plan: Any = None,
 ):
     """``fn`` with every ``lax.scan`` it runs replaced by :func:`jaxmem.scan`, its code unchanged.
 
@@ -459,6 +477,15 @@ def optimize(
         _opts.ScanOptions.create(fname, **given)  # checked once, here
         choose = lambda found: dict(given)
         options_key = repr(sorted(given.items()))
+    if plan is not None:
+        if not isinstance(plan, _planner.Plan):
+            raise TypeError(f"{fname}: plan must be a jaxmem.Plan, got {type(plan).__name__}")
+        if budget is not None or policy is not None or checkpoints is not None or options:
+            raise TypeError(
+                f"{fname}: plan= decides each scan's policy and checkpoints; pass plan= or "
+                "budget/policy/checkpoints/options, not both"
+            )
+        given["policy"] = "auto"  # every scan as a policy="auto" stack, resolved by the plan
     if objective not in _budget.OBJECTIVES:
         raise ValueError(
             f"{fname}: objective must be one of {', '.join(map(repr, _budget.OBJECTIVES))}, "
@@ -476,6 +503,7 @@ def optimize(
 
     def make(f):
         checks.check_callable(f, "fn", fname)
-        return Optimized(f, choose, chunk_loss, budget, objective, options_key)
+        op_names = plan is not None and plan.op_names
+        return Optimized(f, choose, chunk_loss, budget, objective, options_key, plan, op_names)
 
     return make if fn is None else make(fn)

@@ -17,6 +17,7 @@ import pathlib
 from collections.abc import Callable, Sequence
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxmem._src import jax_compat as _jc
 from jaxmem._src.scan import api as _scan_api
@@ -62,6 +63,10 @@ class Rewriter:
     # How a rewritten scan runs: "jaxmem" (jaxmem.scan, the lean residuals) or "lax"
     # (lax.scan over the re-evaluated step, under ``jax.checkpoint`` of the options' policy).
     loop: str = "jaxmem"
+    # Name each value of a scan's step by its op kind (op_kind: "matmul_0", "norm_statistic_1",
+    # ...), for a planner's choice of what to keep in a program that names none.
+    op_names: bool = False
+    _kinds: dict = dataclasses.field(default_factory=dict)  # op kind -> values named so far
     _outer: int = 0  # scans met outside any scan's body so far
     _depth: int = 0  # scan bodies being evaluated
 
@@ -109,7 +114,13 @@ class Rewriter:
             return list(jax.lax.switch(index, branches, *ops))
         if name == "shard_map":
             return _jc.rebind_shard_map(eqn, self._sub(params["jaxpr"]), invals)
-        return _jc.bind_eqn(eqn, invals)
+        outs = _jc.bind_eqn(eqn, invals)
+        kind = op_kind(eqn) if self.op_names and self._depth > 0 else None
+        if kind is not None:
+            i = self._kinds.get(kind, 0)
+            self._kinds[kind] = i + 1
+            outs = [checkpoint_name(o, f"{kind}_{i}") for o in outs]
+        return outs
 
     def _scan(self, eqn, invals: list) -> list:
         return self.scan(eqn.params, eqn.source_info, invals, lambda: _jc.bind_eqn(eqn, invals))
@@ -126,6 +137,8 @@ class Rewriter:
         body = self._sub(params["jaxpr"])
 
         def step(carry, x):
+            if self._depth == 0:
+                self._kinds.clear()  # each outermost step's values numbered from 0
             self._depth += 1
             try:
                 outs = body(*consts, *carry, *(x or ()))
@@ -165,6 +178,28 @@ class Rewriter:
             **options,
         )
         return [*carry, *ys]
+
+
+# Op kinds a planner chooses among (op_kind), by primitive.
+_KINDS = {
+    "rsqrt": "norm_statistic",
+    "sqrt": "norm_statistic",
+    "tanh": "activation",
+    "logistic": "activation",
+    "erf": "activation",
+    "exp": "exponential",
+}
+
+
+def op_kind(eqn) -> str | None:
+    """The kind of value an equation makes, for names a planner chooses among: a matmul
+    ("matmul"; "batched_matmul" with batch dimensions: attention's ``q k^T`` and ``probs v``), a
+    norm's statistic, an activation, an exponential (a softmax's); None for the rest."""
+    name = eqn.primitive.name
+    if name == "dot_general":
+        (_, _), (batch, _) = eqn.params["dimension_numbers"]
+        return "batched_matmul" if batch else "matmul"
+    return _KINDS.get(name)
 
 
 def _sources(source_info) -> tuple[str, str]:

@@ -205,6 +205,7 @@ class Plan:
     notes: tuple[str, ...] = ()
     step_time_s: float | None = None
     no_remat_step_time_s: float | None = None
+    op_names: bool = False
 
     def __post_init__(self):
         for field in ("save", "recompute", "offload"):
@@ -623,10 +624,16 @@ def plan(
         raise ValueError(f"{caller}: max_compiles={max_compiles}; it needs at least 3.")
     start = _time.perf_counter()
     estimates = _discover(loss_fn, args)
+    op_names = not estimates
+    if op_names:  # unmodified code: its scans as "auto" stacks, their values named by op kind
+        from jaxmem._src.optimize import api as _optimize_api  # noqa: PLC0415 - a cycle
+
+        loss_fn = _optimize_api.by_op_kind(loss_fn)
+        estimates = _discover(loss_fn, args)
     if not estimates:
         raise ValueError(
-            f"{caller}: loss_fn uses no checkpoint name; tag activations with jaxmem.name(x, ...) "
-            'in a stack with policy="auto".'
+            f"{caller}: loss_fn runs no scan and uses no checkpoint name; tag activations with "
+            'jaxmem.name(x, ...) in a stack with policy="auto".'
         )
     names = frozenset(e.name for e in estimates)
     fast = jax.default_backend() == "cpu"
@@ -710,6 +717,7 @@ def plan(
         notes=tuple(notes),
         step_time_s=step,
         no_remat_step_time_s=base_step,
+        op_names=op_names,
     )
 
 
