@@ -618,6 +618,10 @@ BUDGET_FRACTIONS = (0.0, 1 / 3, 2 / 3, 1.0)
 BUDGET_ERROR_BAR = 1e-5
 """The largest output error (:func:`benchmarks.budget.largest_error`) a plan may have."""
 
+BUDGET_FLOPS_BAR = 1.01
+"""A plan's FLOPs over the fewest among the own choices that fit, above which a note is made
+(not a failure: an own choice jaxmem's settings cannot express may beat it)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class BudgetStudy:
@@ -751,6 +755,7 @@ def budget_study(study: BudgetStudy, progress: bool = False) -> dict[str, Any]:
         "policies": {},
         "plans": [],
         "failures": [],
+        "notes": [],
     }
     ctx = study.context() if study.context is not None else _null()
     with ctx:
@@ -809,6 +814,15 @@ def budget_study(study: BudgetStudy, progress: bool = False) -> dict[str, Any]:
                 out["failures"].append(
                     f"budget {b} ({format_mib(b)}): {row['chosen']} compiled peak {row['peak']} "
                     f"({format_mib(row['peak'])}) > budget (planned {row['planned_peak']})"
+                )
+            least = row["least_policy_flops"]
+            if least and row["flops"] > BUDGET_FLOPS_BAR * least:
+                better = min(
+                    (k for k, p in own.items() if p["peak"] <= b), key=lambda k: own[k]["flops"]
+                )
+                out["notes"].append(
+                    f"budget {b} ({format_mib(b)}): {row['chosen']} {row['flops'] / least:.4f}x "
+                    f"the FLOPs of own choice {better} (peak {own[better]['peak']}), which fits"
                 )
             if row["error"] > BUDGET_ERROR_BAR:
                 out["failures"].append(
@@ -871,6 +885,8 @@ def format_budget_table(studies: Sequence[dict[str, Any]]) -> str:
                 f"plan {p['planning_s']:.1f} s (cached {p['planning_cached_s']:.1f} s)  "
                 f"err {p['error']:.1e}"
             )
+        if st.get("notes"):
+            lines += ["  notes:"] + [f"    {n}" for n in st["notes"]]
         if st["failures"]:
             lines += ["  failures:"] + [f"    {f}" for f in st["failures"]]
         lines.append("")

@@ -236,3 +236,33 @@ def test_dropped_remat_keeps_the_values():
     for setting in budget_mod.settings() + budget_mod.fallbacks():
         got = jax.jit(lambda w, xs, s=setting: opt._run(s, (w, xs), {})[0])(w, xs)
         close(got, jax.tree.leaves(want))
+
+
+def test_plan_on_unmodified_code_names_values_by_op_kind():
+    """``jaxmem.plan`` on a loss that names nothing and runs ``lax.scan`` without remat: its
+    measured temp fits a budget between full remat's and jaxmem's lean gradient temps, and
+    ``optimize(loss, plan=p)`` compiles to that temp with the loss's own gradient."""
+    from benchmarks import optimize as gpt_loss
+
+    sizes = gpt_loss.Sizes(layers=2, batch=2, seq=16, d=32, heads=2)
+    loss, args = gpt_loss.make_loss(sizes, jax.lax.scan), gpt_loss.make_args(sizes)
+
+    def temp(f):
+        compiled = jax.jit(jax.grad(f)).lower(*args).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    full, lean = temp(jaxmem.optimize(loss, policy="nothing")), temp(jaxmem.optimize(loss))
+    assert full < lean < temp(loss)
+    b = (full + lean) // 2
+    p = jaxmem.plan(loss, *args, budget=b, max_compiles=8)
+    assert p.op_names and p.measured_temp_bytes <= b
+    assert any("matmul_" in key for key, _, _ in p.trials), p.trials  # op-kind names tried
+    assert not p.no_remat, p  # below jaxmem's lean temp, something is recomputed
+    opt = jaxmem.optimize(loss, plan=p)
+    assert temp(opt) == p.measured_temp_bytes
+    close(jax.grad(opt)(*args), jax.grad(loss)(*args))
+    assert jaxmem.Plan.from_json(p.to_json()) == p
+    with pytest.raises(TypeError, match="plan="):
+        jaxmem.optimize(loss, plan=p, budget="1GiB")
+    with pytest.raises(TypeError, match="plan must be a jaxmem.Plan"):
+        jaxmem.optimize(loss, plan="dots")

@@ -298,8 +298,8 @@ def test_bad_input():
             jaxmem.plan(_rnn_loss, *RNN_ARGS, budget=bad)
     with pytest.raises(ValueError, match="max_compiles=2; it needs at least 3"):
         jaxmem.plan(_rnn_loss, *RNN_ARGS, budget=10**6, max_compiles=2)
-    with pytest.raises(ValueError, match="uses no checkpoint name"):
-        jaxmem.plan(_rnn_stock, *RNN_ARGS, budget=10**6)
+    with pytest.raises(ValueError, match="runs no scan and uses no checkpoint name"):
+        jaxmem.plan(lambda w, xs: jnp.sum(jnp.tanh(xs @ w)), *RNN_ARGS, budget=10**6)
     with pytest.raises(ValueError, match="both saved and recomputed|in both save and recompute"):
         jaxmem.Plan(save=frozenset({"mlp_in"}), recompute=frozenset({"mlp_in"}))
     with pytest.raises(TypeError, match="must be a set of checkpoint names"):

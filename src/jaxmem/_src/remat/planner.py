@@ -179,6 +179,8 @@ class Plan:
       notes: what the search could not do here (e.g. offload not measurable on CPU).
       step_time_s: median measured step time of the planned gradient (``plan(time=True)``).
       no_remat_step_time_s: the same for the no-remat gradient, measured interleaved.
+      op_names: the names are op kinds of unmodified code (apply with
+        ``jaxmem.optimize(loss_fn, plan=p)``, which names the values the same way).
 
     Examples:
       >>> p = Plan(save=frozenset({"mlp_in"}), recompute=frozenset({"mlp_act"}))
@@ -568,7 +570,11 @@ def plan(
     ``loss_fn``'s layer stacks opt in with ``policy="auto"`` (:func:`jaxmem.scan`,
     :mod:`jaxmem.flax` stacks) and tag activations with checkpoint names
     (:func:`jaxmem.name`); the plan is then applied with ``with jaxmem.use_plan(p):`` or as
-    ``policy=p.policy``. The gradient is ``jax.grad(loss_fn, argnums)``; its temp memory is
+    ``policy=p.policy``. Unmodified code (``lax.scan``, no names) is planned too: its scans run
+    as ``policy="auto"`` stacks with each step's values named by op kind (``matmul_0``,
+    ``batched_matmul_0``, ``norm_statistic_0``, ``activation_0``, ``exponential_0``, numbered in
+    the step's order; :attr:`Plan.op_names`), and ``jaxmem.optimize(loss_fn, plan=p)`` applies
+    the plan. The gradient is ``jax.grad(loss_fn, argnums)``; its temp memory is
     XLA's compile-time ``memory_analysis().temp_size_in_bytes`` (per device for sharded
     arguments) and its cost ``cost_analysis()["flops"]``. The plan is the measured candidate
     within the budget with the fewest recompute FLOPs (the module docstring lists the search).
@@ -597,8 +603,8 @@ def plan(
 
     Raises:
       ValueError: ``budget`` is below the smallest reachable temp (the message gives it and
-        what would lower it further); ``max_compiles < 3``; ``loss_fn`` uses no checkpoint
-        name.
+        what would lower it further); ``max_compiles < 3``; ``loss_fn`` runs no scan and uses
+        no checkpoint name.
       ValueError: ``budget`` negative or not a size.
       TypeError: ``budget`` not a number or a string.
 
