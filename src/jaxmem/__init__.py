@@ -21,6 +21,8 @@ from jaxmem._src.optimize.api import Explanation as Explanation
 from jaxmem._src.optimize.api import Optimized as Optimized
 from jaxmem._src.optimize.api import ScanReport as ScanReport
 from jaxmem._src.optimize.api import optimize as optimize
+from jaxmem._src.optimize.budget import BudgetPlan as BudgetPlan
+from jaxmem._src.optimize.budget import BudgetTrial as BudgetTrial
 from jaxmem._src.profile.buffers import Buffer as Buffer
 from jaxmem._src.profile.buffers import BufferDumpError as BufferDumpError
 from jaxmem._src.profile.buffers import BufferGroup as BufferGroup
@@ -58,6 +60,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AutoChunked",
+    "BudgetPlan",
+    "BudgetTrial",
     "Buffer",
     "BufferDumpError",
     "BufferGroup",

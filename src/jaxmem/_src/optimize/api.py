@@ -436,13 +436,30 @@ def optimize(
         row-wise is computed in chunks).
       options: ``options(scan) -> dict``, :func:`jaxmem.scan`'s options for one scan (it has
         ``.source``, ``.length``, ``.reverse``, ``.init`` and ``.xs``), in place of the five above.
+      budget: the compiled peak of ``jax.jit`` of the result (temp + arguments + outputs -
+        aliased, per device) to fit: bytes as an int or a float, or a string (``"48MiB"``,
+        ``"1.5GB"``, ``"8GiB"``). At the first call for each input signature every setting of
+        the scans (the function as written, jaxmem's lean scans with the step's own remat kept
+        or dropped, ``lax.scan`` under each preset policy; ``checkpoints="sqrt"`` where none of
+        those fits) is compiled, nothing run, and the one of fewest FLOPs within the budget
+        runs (docs/budget.md). :meth:`Optimized.budget_plan` shows the choice.
+      objective: with ``budget``: ``"flops"`` (the fewest FLOPs; ties to the smaller peak) or
+        ``"time"`` (the fastest fitting setting, timed here after an untimed run).
+      plan: a :class:`jaxmem.Plan` from :func:`jaxmem.plan` for every scan (run as
+        ``policy="auto"`` stacks under it; a plan of unmodified code names the steps' values by
+        op kind, as it was planned).
 
     Returns:
       An :class:`Optimized` function with ``fn``'s signature and ``.explain(*args, **kwargs)``.
 
     Raises:
-      TypeError: ``fn`` not callable, or ``options`` given with any of the four options.
-      ValueError: a bad option (as :func:`jaxmem.scan` raises it).
+      TypeError: ``fn`` not callable, ``options`` given with any of the four options,
+        ``budget`` with ``policy``, ``checkpoints`` or ``options``, ``plan`` with ``budget``,
+        ``policy``, ``checkpoints`` or ``options`` or not a Plan, ``objective`` without
+        ``budget``.
+      ValueError: a bad option (as :func:`jaxmem.scan` raises it), a negative or malformed
+        budget, an unknown objective; at the first call, a budget no setting fits (the message
+        gives the smallest peak reached and what would lower it).
 
     Examples:
       >>> import jax, jax.numpy as jnp

@@ -104,9 +104,22 @@ def fallbacks() -> tuple[Setting, ...]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Trial:
-    """One setting as compiled: its peak bytes and FLOPs (None where it did not compile, with
-    ``error``), and its median step time in seconds under ``objective="time"``."""
+class BudgetTrial:
+    """One setting as compiled (:attr:`BudgetPlan.trials`).
+
+    Attributes:
+      key: the setting, e.g. ``"as written"``, ``"lean, no remat"``, ``"lax.scan, dots"``.
+      peak_bytes: the compiled peak, temp + arguments + outputs - aliased (None where it did
+        not compile).
+      flops: the compiled FLOPs (``cost_analysis``; None where it did not compile).
+      seconds: the median step time under ``objective="time"`` (None where not timed).
+      error: why it did not compile ("" where it did).
+
+    Examples:
+      >>> from jaxmem import BudgetTrial
+      >>> print(BudgetTrial("lean, no remat", 3 * 2**20, 2.5e9))
+      lean, no remat: peak 3.0 MiB, 2.500 GFLOPs
+    """
 
     key: str
     peak_bytes: int | None
@@ -128,7 +141,7 @@ class BudgetPlan:
     Attributes:
       budget_bytes: the budget.
       objective: ``"flops"`` or ``"time"``.
-      chosen: the chosen :class:`Trial` (its ``key`` names the setting).
+      chosen: the chosen :class:`BudgetTrial` (its ``key`` names the setting).
       as_written: the function as written, compiled the same way (its own remat).
       trials: every setting tried, in order.
 
@@ -146,9 +159,9 @@ class BudgetPlan:
 
     budget_bytes: int
     objective: str
-    chosen: Trial
-    as_written: Trial
-    trials: tuple[Trial, ...]
+    chosen: BudgetTrial
+    as_written: BudgetTrial
+    trials: tuple[BudgetTrial, ...]
 
     def __str__(self) -> str:
         c, w = self.chosen, self.as_written
@@ -217,7 +230,7 @@ def compile_many(
 
 def measure(
     run: Callable[[Setting], Callable], cands: Sequence[Setting], arrays: Sequence
-) -> list[Trial]:
+) -> list[BudgetTrial]:
     """Step 2: each setting compiled at the arrays' shapes (XLA's fast backend level on CPU,
     whose buffer assignment and FLOPs are the same as the default's): its peak and FLOPs. The
     function as written must compile (its error is raised); another setting that does not is
@@ -228,9 +241,9 @@ def measure(
         if isinstance(comp, Exception):
             if s == AS_WRITTEN:
                 raise comp
-            out.append(Trial(s.key, None, None, error=f"{type(comp).__name__}: {comp}"))
+            out.append(BudgetTrial(s.key, None, None, error=f"{type(comp).__name__}: {comp}"))
         else:
-            out.append(Trial(s.key, peak_bytes(comp), _flops_mod._flops(comp)))
+            out.append(BudgetTrial(s.key, peak_bytes(comp), _flops_mod._flops(comp)))
     return out
 
 
@@ -243,7 +256,7 @@ _MEASURED_SIZE = 32
 
 def measured(
     fn: Callable, key: tuple, run: Callable, cands: Sequence[Setting], arrays: Sequence
-) -> list[Trial]:
+) -> list[BudgetTrial]:
     """:func:`measure`, cached by ``(fn, key, cands)`` (``key``: the options and the input
     signature) over every optimized function."""
     full = (id(fn), key, tuple(cands))
@@ -278,8 +291,8 @@ _TIME_TIE = 0.02
 
 
 def choose(
-    trials: Sequence[Trial], budget: int, objective: str, timed: Callable | None = None
-) -> tuple[int | None, list[Trial]]:
+    trials: Sequence[BudgetTrial], budget: int, objective: str, timed: Callable | None = None
+) -> tuple[int | None, list[BudgetTrial]]:
     """Step 3: the index of the trial chosen (None: none fits), and the trials (with their
     seconds where timed). ``timed(indices) -> seconds`` times the fitting trials for
     ``objective="time"`` (one of each set with the same peak and FLOPs: the same program)."""
@@ -325,7 +338,7 @@ def _is_tracer(x) -> bool:
     return isinstance(x, _jc.Tracer)
 
 
-def unreachable(caller: str, budget: int, trials: Sequence[Trial], chunk_loss: bool) -> str:
+def unreachable(caller: str, budget: int, trials: Sequence[BudgetTrial], chunk_loss: bool) -> str:
     """Step 4: the message when no setting fits: the smallest peak reached, and what would lower
     it further."""
     ok = [t for t in trials if t.peak_bytes is not None]
