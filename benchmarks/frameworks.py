@@ -181,9 +181,11 @@ def _grad_rows(loss: Callable, grad: Callable = jax.value_and_grad) -> tuple[Imp
 # MaxText.
 
 
-def _maxtext_parts(s: Sizes, policy: str):
+def _maxtext_parts(s: Sizes, policy: str, compile_cache: bool = True):
     """MaxText's llama2 decoder at ``remat_policy=policy``: ``(loss, (params, rest, data), mesh,
-    description)``, ``loss(params, rest, data)`` its pre-training loss (case 1)."""
+    description)``, ``loss(params, rest, data)`` its pre-training loss (case 1).
+    ``compile_cache=False``: without the persistent compilation cache its ``base.yml`` turns on
+    (``jax_cache_dir: ~/jax_cache``), for the planning times of ``--budget``."""
     os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")  # no Google Cloud dependencies
     import maxtext.configs  # noqa: PLC0415 - optional
     from flax import nnx  # noqa: PLC0415
@@ -219,6 +221,8 @@ def _maxtext_parts(s: Sizes, policy: str):
     ]
     if policy == "custom":
         argv += [f"{name}=device" for name in MAXTEXT_NAMED_TENSORS]
+    if not compile_cache:
+        argv.append("jax_cache_dir=")
     config = pyconfig.initialize(argv)
     mesh = maxtext_utils.get_mesh_from_config(config)
     model = model_creation_utils.from_config(
@@ -705,7 +709,7 @@ def maxtext_budget_studies(s: Sizes) -> list[BudgetStudy]:
     SGD-momentum."""
     steps, args, mesh = {}, None, None
     for policy in MAXTEXT_POLICIES:
-        loss, (params, rest, data), mesh_p, _ = _maxtext_parts(s, policy)
+        loss, (params, rest, data), mesh_p, _ = _maxtext_parts(s, policy, compile_cache=False)
 
         def train_step(params, momentum, rest, data, loss=loss):
             value, grads = jax.value_and_grad(loss)(params, rest, data)
