@@ -312,3 +312,23 @@ def test_equinox_train_step_fits_a_budget_at_fewer_flops():
     peak, flops = peak_and_flops(opt, (params, x))
     assert peak <= budget and flops < own_flops, (peak, budget, flops, own_flops)
     close(jax.jit(opt)(params, x), jax.jit(step)(params, x))
+
+
+def test_offload_settings_where_the_backend_measures_offload(monkeypatch):
+    """Where host offload changes the device peak (not on CPU), the fallbacks offload the lean
+    scans' residuals or carries; their values are the step's (on CPU offload is the identity)."""
+    from jaxmem._src.remat import planner
+
+    assert not any(s.offload for s in budget_mod.fallbacks()) or planner._offload_measurable()
+    monkeypatch.setattr(planner, "_offload_measurable", lambda: True)
+    offloaded = [s for s in budget_mod.fallbacks() if s.offload]
+    assert {s.offload for s in offloaded} == {"residuals", "carries"}
+    assert [s.key for s in offloaded] == [
+        "lean, no remat, offload=residuals",
+        "lean, no remat, checkpoints=sqrt, offload=carries",
+    ]
+    step, args = rnn_step()
+    opt = jaxmem.optimize(step)
+    want = jax.tree.leaves(step(*args))
+    for setting in offloaded:
+        close(jax.jit(lambda *a, s=setting: opt._run(s, a, {})[0])(*args), want)

@@ -53,6 +53,7 @@ class Setting:
     step_remat: str = "keep"
     policy: str | None = None
     checkpoints: str | int | None = None
+    offload: str | None = None
 
     @property
     def key(self) -> str:
@@ -66,6 +67,8 @@ class Setting:
             parts = [loop, _POLICY_KEYS.get(self.policy, self.policy or "no remat")]
         if self.checkpoints is not None:
             parts.append(f"checkpoints={self.checkpoints}")
+        if self.offload is not None:
+            parts.append(f"offload={self.offload}")
         return ", ".join(parts)
 
     def options(self, base: Callable) -> Callable:
@@ -78,6 +81,8 @@ class Setting:
             given = dict(base(found), policy=self.policy)
             if self.loop == "jaxmem":
                 given["checkpoints"] = self.checkpoints
+                if self.offload is not None:
+                    given["offload"] = self.offload
             return given
 
         return options
@@ -99,8 +104,16 @@ def settings() -> tuple[Setting, ...]:
 
 def fallbacks() -> tuple[Setting, ...]:
     """The candidates tried when none of :func:`settings` fits: ``checkpoints="sqrt"`` (each
-    step recomputed from a stored carry, more FLOPs for less memory on long loops)."""
-    return (Setting("jaxmem", "drop", None, "sqrt"), Setting("jaxmem", "drop", "nothing", "sqrt"))
+    step recomputed from a stored carry, more FLOPs for less memory on long loops), and where
+    the backend measures host offload (not on CPU, where it is the identity), the lean scans'
+    residuals, or the stored carries, in host memory."""
+    out = [Setting("jaxmem", "drop", None, "sqrt"), Setting("jaxmem", "drop", "nothing", "sqrt")]
+    if _planner._offload_measurable():
+        out += [
+            Setting("jaxmem", "drop", None, offload="residuals"),
+            Setting("jaxmem", "drop", None, "sqrt", offload="carries"),
+        ]
+    return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,13 +357,11 @@ def unreachable(caller: str, budget: int, trials: Sequence[BudgetTrial], chunk_l
     ok = [t for t in trials if t.peak_bytes is not None]
     low = min(ok, key=lambda t: t.peak_bytes)
     more = []
-    if jax.default_backend() == "cpu":
+    if not _planner._offload_measurable():
         more.append(
-            "host offload (jaxmem.scan(offload=...); not measurable on CPU, where it is "
-            "the identity)"
+            f"host offload (jaxmem.scan(offload=...); not measurable on {jax.default_backend()}, "
+            "where it is the identity)"
         )
-    else:
-        more.append("host offload of the carries (jaxmem.scan(offload='carries'))")
     if not chunk_loss:
         more.append("a chunked loss (chunk_loss=True, or jaxmem.losses.linear_cross_entropy)")
     more.append("a smaller batch or sequence, or more devices on the mesh")
