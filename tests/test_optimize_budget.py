@@ -332,3 +332,57 @@ def test_offload_settings_where_the_backend_measures_offload(monkeypatch):
     want = jax.tree.leaves(step(*args))
     for setting in offloaded:
         close(jax.jit(lambda *a, s=setting: opt._run(s, a, {})[0])(*args), want)
+
+
+def test_named_values_match_a_frameworks_name_based_policies():
+    """A step whose layers name values (``checkpoint_name``, as MaxText's do) under full remat:
+    at each name-based policy's peak (``save_only_these_names`` / ``save_any_names_but_these``)
+    the plan's FLOPs are within 1.01x the fewest among those that fit."""
+    from jax.ad_checkpoint import checkpoint_name as cn
+
+    d, h = SIZES.d, SIZES.heads
+
+    def make(policy):
+        def block(x, p):
+            b, t, _ = x.shape
+            q, k, v = jnp.split(cn(gpt._norm(x, p["g1"]) @ p["qkv"], "qkv"), 3, -1)
+            split = lambda a: a.reshape(b, t, h, d // h)
+            s = jnp.einsum("bqhd,bkhd->bhqk", split(q), split(k)) / (d // h) ** 0.5
+            s = jnp.where(jnp.tril(jnp.ones((t, t), bool))[None, None], s, -1e9)
+            a = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), split(v)).reshape(b, t, d)
+            x = x + cn(a @ p["o"], "out_proj")
+            u = cn(gpt._norm(x, p["g2"]) @ p["up"], "mlpwi")
+            return x + cn(jax.nn.gelu(u) @ p["down"], "mlpwo")
+
+        body = jax.checkpoint(lambda x, p: (block(x, p), None), policy=policy)
+
+        def loss(params, tokens):
+            x, _ = jax.lax.scan(body, params["emb"][tokens], params["blocks"])
+            logp = jax.nn.log_softmax(x @ params["emb"].T)
+            return -jnp.mean(jnp.take_along_axis(logp, tokens[..., None], -1))
+
+        def step(params, m, tokens):
+            value, g = jax.value_and_grad(loss)(params, tokens)
+            m = jax.tree.map(lambda m, g: 0.9 * m + g, m, g)
+            return value, jax.tree.map(lambda p, m: p - 1e-2 * m, params, m), m
+
+        return step
+
+    cp = jax.checkpoint_policies
+    own = [
+        cp.nothing_saveable,
+        cp.save_only_these_names("out_proj"),
+        cp.save_only_these_names("qkv", "out_proj"),
+        cp.save_any_names_but_these("mlpwi", "mlpwo"),
+        cp.save_only_these_names("qkv", "out_proj", "mlpwi", "mlpwo"),
+    ]
+    args = gpt.make_args(SIZES)
+    figures = [peak_and_flops(make(p), args) for p in own]
+    step = make(cp.nothing_saveable)
+    for b, _ in figures:
+        plan = jaxmem.optimize(step, budget=b).budget_plan(*args)
+        least = min(f for p, f in figures if p <= b)
+        assert plan.chosen.peak_bytes <= b and plan.chosen.flops <= 1.01 * least, (b, plan)
+    keys = [t.key for t in plan.trials]
+    assert "lax.scan, save mlpwi,mlpwo,out_proj,qkv" in keys, keys
+    close(jax.jit(jaxmem.optimize(step, budget=figures[2][0]))(*args), jax.jit(step)(*args))

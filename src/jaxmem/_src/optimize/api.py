@@ -18,6 +18,7 @@ from jaxmem._src.losses import autochunk as _autochunk
 from jaxmem._src.optimize import budget as _budget
 from jaxmem._src.optimize import intercept as _intercept
 from jaxmem._src.optimize import rewrite as _rw
+from jaxmem._src.remat import flops as _flops
 from jaxmem._src.remat import planner as _planner
 from jaxmem._src.scan import api as _scan_api
 from jaxmem._src.scan import options as _opts
@@ -257,7 +258,10 @@ class Optimized:
 
         shared = (self._options_key, self._chunk_loss, key)  # None: this object's own
         shared = shared if self._options_key is not None else (id(self), key)
-        cands = list(_budget.settings())
+        # The names the function's steps use (a framework's name-based policies select them).
+        specs = [_budget.abstract(a) for a in arrays]
+        estimates = _flops._discover(run(_budget.AS_WRITTEN), specs)
+        cands = [*_budget.settings(), *_budget.named(estimates)]
         trials = _budget.measured(self._fn, shared, run, cands, arrays)
         timed = lambda indices: _budget.timed(run, [cands[i] for i in indices], arrays)
         pick, trials = _budget.choose(trials, self._budget, self._objective, timed)

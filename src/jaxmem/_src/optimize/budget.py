@@ -30,6 +30,7 @@ import numpy as np
 from jaxmem._src import jax_compat as _jc
 from jaxmem._src.remat import flops as _flops_mod
 from jaxmem._src.remat import planner as _planner
+from jaxmem._src.remat import policies as _policies
 
 OBJECTIVES = ("flops", "time")
 
@@ -51,7 +52,7 @@ class Setting:
 
     loop: str
     step_remat: str = "keep"
-    policy: str | None = None
+    policy: str | Callable | None = None
     checkpoints: str | int | None = None
     offload: str | None = None
 
@@ -64,7 +65,10 @@ class Setting:
         if self.step_remat == "keep":
             parts = [loop, "own remat"]
         else:
-            parts = [loop, _POLICY_KEYS.get(self.policy, self.policy or "no remat")]
+            policy = self.policy
+            if isinstance(policy, _policies.Save):
+                policy = f"save {','.join(policy.names)}"
+            parts = [loop, _POLICY_KEYS.get(policy, policy or "no remat")]
         if self.checkpoints is not None:
             parts.append(f"checkpoints={self.checkpoints}")
         if self.offload is not None:
@@ -100,6 +104,18 @@ def settings() -> tuple[Setting, ...]:
     lean = [Setting("jaxmem", "keep"), Setting("jaxmem", "drop")]
     lax = [Setting("lax", "drop", p) for p in (None, "dots", "dots_no_batch", "nothing")]
     return (AS_WRITTEN, *lean, *lax)
+
+
+def named(estimates: Sequence) -> tuple[Setting, ...]:
+    """The candidates of a function whose steps name values (``jax.ad_checkpoint.checkpoint_name``:
+    MaxText's, a user's): ``lax.scan`` saving the first 1, 2, ... of the names ranked by FLOPs
+    saved per byte kept (:func:`jaxmem._src.remat.planner._rank`), the framework's name-based
+    policies among them."""
+    ranked = [e.name for e in _planner._rank(estimates)]
+    return tuple(
+        Setting("lax", "drop", _policies.Save(tuple(sorted(ranked[:n]))))
+        for n in range(1, len(ranked) + 1)
+    )
 
 
 def fallbacks() -> tuple[Setting, ...]:
