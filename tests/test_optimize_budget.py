@@ -384,5 +384,6 @@ def test_named_values_match_a_frameworks_name_based_policies():
         least = min(f for p, f in figures if p <= b)
         assert plan.chosen.peak_bytes <= b and plan.chosen.flops <= 1.01 * least, (b, plan)
     keys = [t.key for t in plan.trials]
-    assert "lax.scan, save mlpwi,mlpwo,out_proj,qkv" in keys, keys
+    assert {f"lax.scan, save {n}" for n in ("qkv", "out_proj", "mlpwi", "mlpwo")} <= set(keys)
+    assert any(k.startswith("lax.scan, save ") and "," in k for k in keys), keys  # prefixes
     close(jax.jit(jaxmem.optimize(step, budget=figures[2][0]))(*args), jax.jit(step)(*args))

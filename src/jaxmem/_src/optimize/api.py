@@ -261,8 +261,12 @@ class Optimized:
         # The names the function's steps use (a framework's name-based policies select them).
         specs = [_budget.abstract(a) for a in arrays]
         estimates = _flops._discover(run(_budget.AS_WRITTEN), specs)
-        cands = [*_budget.settings(), *_budget.named(estimates)]
+        names = sorted({e.name for e in estimates})
+        cands = [*_budget.settings(), *_budget.singles(names)]
         trials = _budget.measured(self._fn, shared, run, cands, arrays)
+        more = _budget.prefixes(names, {t.key: (t.peak_bytes, t.flops) for t in trials})
+        cands += more
+        trials += _budget.measured(self._fn, shared, run, more, arrays) if more else []
         timed = lambda indices: _budget.timed(run, [cands[i] for i in indices], arrays)
         pick, trials = _budget.choose(trials, self._budget, self._objective, timed)
         if pick is None:

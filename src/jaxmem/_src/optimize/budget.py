@@ -106,16 +106,36 @@ def settings() -> tuple[Setting, ...]:
     return (AS_WRITTEN, *lean, *lax)
 
 
-def named(estimates: Sequence) -> tuple[Setting, ...]:
-    """The candidates of a function whose steps name values (``jax.ad_checkpoint.checkpoint_name``:
-    MaxText's, a user's): ``lax.scan`` saving the first 1, 2, ... of the names ranked by FLOPs
-    saved per byte kept (:func:`jaxmem._src.remat.planner._rank`), the framework's name-based
-    policies among them."""
-    ranked = [e.name for e in _planner._rank(estimates)]
-    return tuple(
-        Setting("lax", "drop", _policies.Save(tuple(sorted(ranked[:n]))))
-        for n in range(1, len(ranked) + 1)
-    )
+def _save(names) -> Setting:
+    return Setting("lax", "drop", _policies.Save(tuple(sorted(names))))
+
+
+def singles(names: Sequence[str]) -> tuple[Setting, ...]:
+    """Where the steps name values (``jax.ad_checkpoint.checkpoint_name``: MaxText's layers, a
+    user's): ``lax.scan`` saving each name alone, each measured against full remat by
+    :func:`prefixes`."""
+    return tuple(_save([n]) for n in sorted(names))
+
+
+def prefixes(names: Sequence[str], trials: dict) -> tuple[Setting, ...]:
+    """``lax.scan`` saving the first 2, 3, ... names ranked by the FLOPs each saves alone per
+    byte of peak it adds (measured: ``trials`` maps a setting's key to its (peak, FLOPs), full
+    remat's and each single name's among them); names that save no FLOPs alone are left out.
+    A framework's name-based policies (MaxText's ``save_dot_except_mlp``: the projections, not
+    the MLP) are such sets."""
+    base = trials.get(Setting("lax", "drop", "nothing").key)
+    if base is None:
+        return ()
+    gains = []
+    for n in names:
+        got = trials.get(_save([n]).key)
+        if got is None or got[0] is None:
+            continue
+        saved, added = base[1] - got[1], got[0] - base[0]
+        if saved > 0:
+            gains.append((-saved / max(added, 1), n))
+    ranked = [n for _, n in sorted(gains)]
+    return tuple(_save(ranked[:k]) for k in range(2, len(ranked) + 1))
 
 
 def fallbacks() -> tuple[Setting, ...]:
