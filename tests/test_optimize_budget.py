@@ -319,8 +319,8 @@ def test_offload_settings_where_the_backend_measures_offload(monkeypatch):
     scans' residuals or carries; their values are the step's (on CPU offload is the identity)."""
     from jaxmem._src.remat import planner
 
-    assert not any(s.offload for s in budget_mod.fallbacks()) or planner._offload_measurable()
-    monkeypatch.setattr(planner, "_offload_measurable", lambda: True)
+    assert not any(s.offload for s in budget_mod.fallbacks()) or planner.offload_measurable()
+    monkeypatch.setattr(planner, "offload_measurable", lambda: True)
     offloaded = [s for s in budget_mod.fallbacks() if s.offload]
     assert {s.offload for s in offloaded} == {"residuals", "carries"}
     assert [s.key for s in offloaded] == [

@@ -23,6 +23,7 @@ from jaxmem._src.optimize.api import ScanReport as ScanReport
 from jaxmem._src.optimize.api import optimize as optimize
 from jaxmem._src.optimize.budget import BudgetPlan as BudgetPlan
 from jaxmem._src.optimize.budget import BudgetTrial as BudgetTrial
+from jaxmem._src.optimize.planning import plan as plan
 from jaxmem._src.profile.buffers import Buffer as Buffer
 from jaxmem._src.profile.buffers import BufferDumpError as BufferDumpError
 from jaxmem._src.profile.buffers import BufferGroup as BufferGroup
@@ -38,7 +39,6 @@ from jaxmem._src.remat.frontier import frontier as frontier
 from jaxmem._src.remat.names import NAMES as NAMES
 from jaxmem._src.remat.names import name as name
 from jaxmem._src.remat.planner import Plan as Plan
-from jaxmem._src.remat.planner import plan as plan
 from jaxmem._src.remat.planner import use_plan as use_plan
 from jaxmem._src.reversible import Coupling as Coupling
 from jaxmem._src.reversible import reversible as reversible

@@ -260,7 +260,7 @@ class Optimized:
         shared = shared if self._options_key is not None else (id(self), key)
         # The names the function's steps use (a framework's name-based policies select them).
         specs = [_budget.abstract(a) for a in arrays]
-        estimates = _flops._discover(run(_budget.AS_WRITTEN), specs)
+        estimates = _flops.discover(run(_budget.AS_WRITTEN), specs)
         names = sorted({e.name for e in estimates})
         cands = [*_budget.settings(), *_budget.singles(names)]
         trials = _budget.measured(self._fn, shared, run, cands, arrays)

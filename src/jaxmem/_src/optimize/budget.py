@@ -144,7 +144,7 @@ def fallbacks() -> tuple[Setting, ...]:
     the backend measures host offload (not on CPU, where it is the identity), the lean scans'
     residuals, or the stored carries, in host memory."""
     out = [Setting("jaxmem", "drop", None, "sqrt"), Setting("jaxmem", "drop", "nothing", "sqrt")]
-    if _planner._offload_measurable():
+    if _planner.offload_measurable():
         out += [
             Setting("jaxmem", "drop", None, offload="residuals"),
             Setting("jaxmem", "drop", None, "sqrt", offload="carries"),
@@ -256,7 +256,7 @@ def compile_many(
     """``jax.jit(run(setting))`` lowered at ``specs`` and compiled, for each setting, in threads
     (tracing is not thread-safe; XLA's compiles are, outside the GIL); an exception in place of
     a program that did not lower or compile. ``fast``: XLA's fast backend level on CPU."""
-    options = _planner._FAST_COMPILE if fast and jax.default_backend() == "cpu" else None
+    options = _planner.FAST_COMPILE if fast and jax.default_backend() == "cpu" else None
     lowered = []
     for s in cands:
         try:
@@ -292,7 +292,7 @@ def measure(
                 raise comp
             out.append(BudgetTrial(s.key, None, None, error=f"{type(comp).__name__}: {comp}"))
         else:
-            out.append(BudgetTrial(s.key, peak_bytes(comp), _flops_mod._flops(comp)))
+            out.append(BudgetTrial(s.key, peak_bytes(comp), _flops_mod.compiled_flops(comp)))
     return out
 
 
@@ -393,7 +393,7 @@ def unreachable(caller: str, budget: int, trials: Sequence[BudgetTrial], chunk_l
     ok = [t for t in trials if t.peak_bytes is not None]
     low = min(ok, key=lambda t: t.peak_bytes)
     more = []
-    if not _planner._offload_measurable():
+    if not _planner.offload_measurable():
         more.append(
             f"host offload (jaxmem.scan(offload=...); not measurable on {jax.default_backend()}, "
             "where it is the identity)"

@@ -65,11 +65,15 @@ _PATIENCE = 4  # The greedy stops after this many compiles that found nothing ch
 # the measurements do not depend on LLVM's optimization level; level 0 compiles several times
 # faster (tests check the figures against a default compile).
 _FAST_COMPILE = {"xla_backend_optimization_level": 0}
+FAST_COMPILE = _FAST_COMPILE  # for the other units that compile to measure
 
 
 def _offload_measurable() -> bool:
     """Whether offloading changes the compiled device temp here (not on CPU: the identity)."""
     return jax.default_backend() != "cpu" and _offload.supported()
+
+
+offload_measurable = _offload_measurable  # for the other units
 
 
 # ------------------------------------------------------------------------------------------
@@ -630,12 +634,6 @@ def plan(
         raise ValueError(f"{caller}: max_compiles={max_compiles}; it needs at least 3.")
     start = _time.perf_counter()
     estimates = _discover(loss_fn, args)
-    op_names = not estimates
-    if op_names:  # unmodified code: its scans as "auto" stacks, their values named by op kind
-        from jaxmem._src.optimize import api as _optimize_api  # noqa: PLC0415 - a cycle
-
-        loss_fn = _optimize_api.by_op_kind(loss_fn)
-        estimates = _discover(loss_fn, args)
     if not estimates:
         raise ValueError(
             f"{caller}: loss_fn runs no scan and uses no checkpoint name; tag activations with "
@@ -723,7 +721,6 @@ def plan(
         notes=tuple(notes),
         step_time_s=step,
         no_remat_step_time_s=base_step,
-        op_names=op_names,
     )
 
 
