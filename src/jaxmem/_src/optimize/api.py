@@ -104,6 +104,39 @@ class Explanation:
         return "\n".join(lines)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Split:
+    """The arguments' leaves: the arrays (traced) and the rest (static), and how to merge them
+    back into ``(args, kwargs)``."""
+
+    leaves: list
+    tree: Any
+    dynamic: list  # per leaf: an array
+
+    @classmethod
+    def of(cls, args, kwargs) -> _Split:
+        leaves, tree = jax.tree.flatten((args, kwargs))
+        return cls(leaves, tree, [_is_array(x) for x in leaves])
+
+    @property
+    def arrays(self) -> list:
+        return [x for x, d in zip(self.leaves, self.dynamic, strict=True) if d]
+
+    def merge(self, arrays):
+        """``(args, kwargs)`` with ``arrays`` in place of the array leaves."""
+        it = iter(arrays)
+        full = [next(it) if d else x for x, d in zip(self.leaves, self.dynamic, strict=True)]
+        return jax.tree.unflatten(self.tree, full)
+
+
+def _split_outputs(result) -> tuple[list, Any, dict]:
+    """The function's outputs: the leaves JAX computed, the tree, and the other leaves by
+    index (returned as they are)."""
+    out, tree = jax.tree.flatten(result)
+    static = {i: x for i, x in enumerate(out) if not _is_traced_output(x)}
+    return [x for i, x in enumerate(out) if i not in static], tree, static
+
+
 _DEFAULT = _budget.Setting("jaxmem", "keep")  # every scan as jaxmem.scan, its step as written
 
 
@@ -170,22 +203,18 @@ class Optimized:
         and its outputs: the tree, and the leaves that are not JAX arrays (a string tag, a Python
         number: returned as they are, as the function returns them). Each scan the function
         differentiates itself runs through ``caught`` (:mod:`~jaxmem._src.optimize.intercept`)."""
-        leaves, tree = jax.tree.flatten((args, kwargs))
-        dynamic = [_is_array(x) for x in leaves]
+        split = _Split.of(args, kwargs)
         outputs = []
 
         def flat(*arrays):
-            it = iter(arrays)
-            full = [next(it) if d else x for x, d in zip(leaves, dynamic, strict=True)]
-            a, k = jax.tree.unflatten(tree, full)
+            a, k = split.merge(arrays)
             with _intercept.catching(caught):
                 result = self._fn(*a, **k)
-            out, t = jax.tree.flatten(result)
-            static = {i: x for i, x in enumerate(out) if not _is_traced_output(x)}
+            computed, t, static = _split_outputs(result)
             outputs.append((t, static))
-            return [x for i, x in enumerate(out) if i not in static]
+            return computed
 
-        arrays = [x for x, d in zip(leaves, dynamic, strict=True) if d]
+        arrays = split.arrays
         closed = jax.make_jaxpr(flat)(*arrays)
         return closed, arrays, outputs[-1]
 
@@ -226,10 +255,8 @@ class Optimized:
         """The function's array outputs under ``setting``, and (the output tree, its static
         leaves)."""
         if setting == _budget.AS_WRITTEN:
-            result = self._fn(*args, **kwargs)
-            out, tree = jax.tree.flatten(result)
-            static = {i: x for i, x in enumerate(out) if not _is_traced_output(x)}
-            return [x for i, x in enumerate(out) if i not in static], (tree, static)
+            computed, tree, static = _split_outputs(self._fn(*args, **kwargs))
+            return computed, (tree, static)
         closed, arrays, outputs = self._traced(args, kwargs, self._rewriter(setting))
         rewriter = self._rewriter(setting)
         run = lambda *a: rewriter.eval_closed(closed, a)
@@ -240,21 +267,14 @@ class Optimized:
     def _planned(self, args, kwargs):
         """The budget's plan for these arguments' signature: ``(BudgetPlan, Setting)``, planned
         at the first call (every setting compiled; nothing runs)."""
-        leaves, tree = jax.tree.flatten((args, kwargs))
-        dynamic = [_is_array(x) for x in leaves]
-        arrays = [x for x, d in zip(leaves, dynamic, strict=True) if d]
-        key = _signature(tree, leaves, dynamic)
+        split = _Split.of(args, kwargs)
+        arrays = split.arrays
+        key = _signature(split.tree, split.leaves, split.dynamic)
         if key in self._plans:
             return self._plans[key]
 
         def run(setting):
-            def flat(*a):
-                it = iter(a)
-                full = [next(it) if d else x for x, d in zip(leaves, dynamic, strict=True)]
-                fa, fk = jax.tree.unflatten(tree, full)
-                return self._run(setting, fa, fk)[0]
-
-            return flat
+            return lambda *a: self._run(setting, *split.merge(a))[0]
 
         shared = (self._options_key, self._chunk_loss, key)  # None: this object's own
         shared = shared if self._options_key is not None else (id(self), key)
