@@ -156,12 +156,18 @@ def test_plans_once_per_input_signature(monkeypatch):
     calls = []
     real = budget_mod.measure
     monkeypatch.setattr(budget_mod, "measure", lambda *a: calls.append(1) or real(*a))
+    traces = []  # the trace that finds the steps' value names, once per signature too
+    discover = budget_mod._flops_mod.discover
+    monkeypatch.setattr(
+        budget_mod._flops_mod, "discover", lambda *a: traces.append(1) or discover(*a)
+    )
 
     def loss(w, xs):
         body = jax.checkpoint(lambda h, x: (jnp.tanh(h @ w + x), None))
         return jnp.sum(jax.lax.scan(body, jnp.zeros(8), xs)[0])
 
-    step = jaxmem.optimize(jax.grad(loss), budget="1GiB")
+    grad = jax.grad(loss)
+    step = jaxmem.optimize(grad, budget="1GiB")
     w = jnp.eye(8)
     g = step(w, jnp.ones((6, 8)))
     step(w, jnp.ones((6, 8)) * 2)  # same signature: planned once
@@ -171,7 +177,24 @@ def test_plans_once_per_input_signature(monkeypatch):
     assert len(calls) == 2
     step(w.astype(jnp.bfloat16), jnp.ones((9, 8), jnp.bfloat16))  # a new dtype
     assert len(calls) == 3
+    again = jaxmem.optimize(grad, budget="2GiB")  # the same function and options
+    again(w, jnp.ones((6, 8)))
+    assert len(calls) == len(traces) == 3
     close(g, jax.grad(loss)(w, jnp.ones((6, 8))))
+
+
+def test_settings_that_lower_to_one_program_compile_once(monkeypatch):
+    compiled = []
+    real = jax.stages.Lowered.compile
+    monkeypatch.setattr(
+        jax.stages.Lowered, "compile", lambda self, *a: compiled.append(1) or real(self, *a)
+    )
+    # Two settings run one program under two names (the module's name is the function's).
+    run = {"a": jnp.sin, "b": lambda x: jnp.sin(x), "c": jnp.cos}.get
+    spec = [jax.ShapeDtypeStruct((3,), jnp.float32)]
+    a, b, c = budget_mod.compile_many(run, ["a", "b", "c"], spec, fast=False)
+    assert len(compiled) == 2 and a is b and a is not c
+    assert a.as_text() != c.as_text()
 
 
 def test_planning_under_an_outer_jit(model):

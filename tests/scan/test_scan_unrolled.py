@@ -18,6 +18,7 @@ import pytest
 import test_scan_memory as mem
 
 import jaxmem
+from jaxmem._src.jax_compat import compile_to_measure
 from jaxmem._src.scan import lean, unrolled
 
 R = np.random.default_rng(0)
@@ -38,7 +39,7 @@ def _rnn_args(t, b, d):
 
 def _temp(loss, args):
     grad = jax.jit(jax.grad(loss, argnums=tuple(range(len(args)))))
-    return grad.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    return compile_to_measure(grad.lower(*args)).memory_analysis().temp_size_in_bytes
 
 
 @pytest.mark.parametrize("reverse", [False, True])
@@ -96,6 +97,22 @@ def test_each_program_has_the_same_gradient(choice, policy, unroll, monkeypatch)
     assert chosen == [choice]
     for x, y in zip(got, want, strict=True):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5 * float(np.abs(y).max()))
+
+
+def test_the_chooser_measures_what_a_default_compile_does(monkeypatch):
+    """The chooser compiles its candidates to measure at XLA:CPU's fast backend level: the same
+    temp bytes as a default compile, for each candidate of an unrolled RNN."""
+    from jaxmem._src import jax_compat
+
+    def temps():
+        monkeypatch.setattr(unrolled, "_CHOICES", {})
+        _temp(_rnn(jaxmem.scan, True), _rnn_args(8, 4, 32))
+        ((_, figures),) = unrolled._CHOICES.values()
+        return figures
+
+    fast = temps()
+    monkeypatch.setattr(jax_compat, "compile_to_measure", lambda lowered: lowered.compile())
+    assert temps() == fast and len(fast) >= 3
 
 
 def test_the_chooser_takes_the_leanest(monkeypatch):

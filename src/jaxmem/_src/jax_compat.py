@@ -46,6 +46,21 @@ CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call", "eval_ja
 LOOP_PRIMITIVES = frozenset({"scan", "while"})
 
 
+# XLA:CPU assigns buffers and counts FLOPs on the optimized HLO, before LLVM compiles it, so
+# memory_analysis() and cost_analysis() do not depend on LLVM's optimization level; level 0
+# compiles faster (tests/test_optimize_budget.py and tests/scan/test_scan_unrolled.py check
+# the figures against a default compile).
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+def compile_to_measure(lowered):
+    """``lowered.compile()`` for its memory and cost analyses, not to run: at XLA:CPU's fast
+    backend level on CPU (the same figures), the default elsewhere."""
+    if jax.default_backend() == "cpu":
+        return lowered.compile(FAST_COMPILE)
+    return lowered.compile()
+
+
 # ``jax.lax.scan`` as JAX defines it, for every loop jaxmem runs. Users swap a library's loops
 # with ``jax.lax.scan = jaxmem.scan``; a loop of jaxmem's called through the public name would
 # then call jaxmem.scan again, without end. Private: ``jax._src.lax.control_flow.loops.scan``

@@ -18,7 +18,6 @@ from jaxmem._src.losses import autochunk as _autochunk
 from jaxmem._src.optimize import budget as _budget
 from jaxmem._src.optimize import intercept as _intercept
 from jaxmem._src.optimize import rewrite as _rw
-from jaxmem._src.remat import flops as _flops
 from jaxmem._src.remat import planner as _planner
 from jaxmem._src.scan import api as _scan_api
 from jaxmem._src.scan import options as _opts
@@ -278,10 +277,7 @@ class Optimized:
 
         shared = (self._options_key, self._chunk_loss, key)  # None: this object's own
         shared = shared if self._options_key is not None else (id(self), key)
-        # The names the function's steps use (a framework's name-based policies select them).
-        specs = [_budget.abstract(a) for a in arrays]
-        estimates = _flops.discover(run(_budget.AS_WRITTEN), specs)
-        names = sorted({e.name for e in estimates})
+        names = _budget.value_names(self._fn, shared, run, arrays)
         cands = [*_budget.settings(), *_budget.singles(names)]
         trials = _budget.measured(self._fn, shared, run, cands, arrays)
         more = _budget.prefixes(names, {t.key: (t.peak_bytes, t.flops) for t in trials})
@@ -400,7 +396,7 @@ def _savings_in_context(closed, arrays: list, options: Callable, count: int) -> 
             return evaluate(only, a)[0]
 
         grad = jax.jit(jax.value_and_grad(loss))
-        compiled = grad.lower([arrays[i] for i in floats], others).compile()
+        compiled = _jc.compile_to_measure(grad.lower([arrays[i] for i in floats], others))
         return compiled.memory_analysis().temp_size_in_bytes
 
     try:

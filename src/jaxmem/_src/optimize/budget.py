@@ -19,6 +19,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import os
+import re
 import statistics
 import time as _time
 from collections.abc import Callable, Sequence
@@ -272,9 +273,25 @@ def compile_many(
         except Exception as e:  # noqa: BLE001 - recorded as the trial's error
             return e
 
-    workers = max(1, min(len(lowered), os.cpu_count() or 1))
+    # Settings that lower to the same program (a framework's full remat and "lax.scan, full
+    # remat"; a step with nothing to keep under two policies) are compiled once.
+    first: dict[str, int] = {}
+    which = [first.setdefault(_program_text(low), i) for i, low in enumerate(lowered)]
+    distinct = sorted(set(which))
+    workers = max(1, min(len(distinct), os.cpu_count() or 1))
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(compile_one, lowered))
+        done = dict(
+            zip(distinct, pool.map(compile_one, [lowered[i] for i in distinct]), strict=True)
+        )
+    return [done[i] for i in which]
+
+
+def _program_text(low) -> str:
+    """A lowered program's StableHLO without its module's name (the jitted function's), or a
+    unique string for an exception (never shared)."""
+    if isinstance(low, Exception):
+        return f"error {id(low)}"
+    return re.sub(r"^module @\S+", "module", low.as_text(), count=1)
 
 
 def measure(
@@ -296,11 +313,24 @@ def measure(
     return out
 
 
-# Measured settings by (function, its options, input signature, settings): each optimize(fn,
-# budget=...) of one function and options shares them (the trials do not depend on the budget).
-# The function is held with them, so that its id is not reused while the entry lives.
+# Measured settings by (function, its options, input signature, settings), and the names its
+# steps use: each optimize(fn, budget=...) of one function and options shares them (they do not
+# depend on the budget). The function is held with them, so that its id is not reused while the
+# entry lives.
 _MEASURED: collections.OrderedDict = collections.OrderedDict()
 _MEASURED_SIZE = 32
+
+
+def _cached(fn: Callable, full: tuple, compute: Callable[[], tuple]) -> tuple:
+    hit = _MEASURED.get(full)
+    if hit is not None and hit[0] is fn:
+        _MEASURED.move_to_end(full)
+        return hit[1]
+    value = compute()
+    _MEASURED[full] = (fn, value)
+    while len(_MEASURED) > _MEASURED_SIZE:
+        _MEASURED.popitem(last=False)
+    return value
 
 
 def measured(
@@ -309,15 +339,19 @@ def measured(
     """:func:`measure`, cached by ``(fn, key, cands)`` (``key``: the options and the input
     signature) over every optimized function."""
     full = (id(fn), key, tuple(cands))
-    hit = _MEASURED.get(full)
-    if hit is not None and hit[0] is fn:
-        _MEASURED.move_to_end(full)
-        return list(hit[1])
-    trials = measure(run, cands, arrays)
-    _MEASURED[full] = (fn, tuple(trials))
-    while len(_MEASURED) > _MEASURED_SIZE:
-        _MEASURED.popitem(last=False)
-    return trials
+    return list(_cached(fn, full, lambda: tuple(measure(run, cands, arrays))))
+
+
+def value_names(fn: Callable, key: tuple, run: Callable, arrays: Sequence) -> list[str]:
+    """The checkpoint names the function's steps give values (a framework's name-based
+    policies select them), found by one trace of ``run(AS_WRITTEN)``; cached as
+    :func:`measured`."""
+
+    def discover():
+        found = _flops_mod.discover(run(AS_WRITTEN), [abstract(a) for a in arrays])
+        return tuple(sorted({e.name for e in found}))
+
+    return list(_cached(fn, (id(fn), key, "names"), discover))
 
 
 def timed(

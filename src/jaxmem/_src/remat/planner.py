@@ -50,6 +50,7 @@ from typing import Any
 import jax
 
 from jaxmem._src import checks
+from jaxmem._src import jax_compat as _jc
 from jaxmem._src import offload as _offload
 from jaxmem._src.remat import auto as _auto
 from jaxmem._src.remat import policies as _policies
@@ -61,10 +62,7 @@ PRESETS = ("nothing", "dots_no_batch", "dots", "selective", "everything")
 
 _MIN_COMPILES = 3  # no remat, save every name, save nothing
 _PATIENCE = 4  # The greedy stops after this many compiles that found nothing cheaper.
-# XLA:CPU assigns buffers and counts FLOPs on the optimized HLO, before LLVM compiles it, so
-# the measurements do not depend on LLVM's optimization level; level 0 compiles several times
-# faster (tests check the figures against a default compile).
-_FAST_COMPILE = {"xla_backend_optimization_level": 0}
+_FAST_COMPILE = _jc.FAST_COMPILE  # the same figures as a default compile, faster
 FAST_COMPILE = _FAST_COMPILE  # for the other units that compile to measure
 
 

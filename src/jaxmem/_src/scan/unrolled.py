@@ -45,6 +45,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxmem._src import jax_compat as _jc
+
 CANDIDATES = ("rolled_backward", "unrolled", "stock", "stock_prevent_cse")
 STOCK = ("stock", "stock_prevent_cse")
 """The candidates that are ``lax.scan``'s own VJP."""
@@ -162,7 +164,7 @@ def compiled_temp(program, in_avals, part: str = "all") -> int | None:
     floats = [s for s, f in zip(flat, is_float, strict=True) if f]
     others = [s for s, f in zip(flat, is_float, strict=True) if not f]
     try:
-        compiled = jax.jit(jax.grad(loss)).lower(floats, others).compile()
+        compiled = _jc.compile_to_measure(jax.jit(jax.grad(loss)).lower(floats, others))
     except Exception:  # noqa: BLE001 - the candidate is not measurable alone; others may be
         return None
     return compiled.memory_analysis().temp_size_in_bytes
