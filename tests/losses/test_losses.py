@@ -9,6 +9,7 @@ import optax
 import pytest
 from jax.test_util import check_grads
 
+from jaxmem._src.jax_compat import compile_to_measure
 from jaxmem._src.listing import saved_residuals
 from jaxmem._src.scan.jaxprs import iter_eqns
 from jaxmem.losses import default_tiles, linear_cross_entropy
@@ -323,7 +324,7 @@ def test_memory_structural():
 
     def temp(f):
         grad = jax.jit(jax.grad(f, argnums=(0, 1)))
-        return grad.lower(*args).compile().memory_analysis().temp_size_in_bytes
+        return compile_to_measure(grad.lower(*args)).memory_analysis().temp_size_in_bytes
 
     t_ours, t_naive = temp(ours), temp(naive)
     assert t_naive >= n * v * 4  # the naive one does hold [N, V] logits
@@ -408,7 +409,7 @@ def test_token_tiles_bound_the_temp_whatever_the_token_count():
         args = (s((n, d), jnp.float32), s((d, v), jnp.float32), s((n,), jnp.int32))
         f = functools.partial(linear_cross_entropy, chunk_size=chunk, token_chunk_size=tile)
         grad = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))
-        return grad.lower(*args).compile().memory_analysis().temp_size_in_bytes
+        return compile_to_measure(grad.lower(*args)).memory_analysis().temp_size_in_bytes
 
     small, large = temp(512, tokens), temp(4096, tokens)
     # A few [tokens, chunk] blocks, plus the [N] per-token vectors: nothing of size N x chunk.
@@ -469,7 +470,7 @@ def test_explicit_tiles_and_block_bytes_still_rule():
         args = (s((n, d), jnp.float32), s((d, v), jnp.float32), s((n,), jnp.int32))
         f = functools.partial(linear_cross_entropy, **kw)
         grad = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))
-        return grad.lower(*args).compile().memory_analysis().temp_size_in_bytes
+        return compile_to_measure(grad.lower(*args)).memory_analysis().temp_size_in_bytes
 
     t, c = default_tiles(n, d, v)
     assert temp() == temp(chunk_size=c, token_chunk_size=t)
@@ -504,7 +505,7 @@ def _peer_temp(loss, w_shape=(PEER_D, PEER_V)):
     s = jax.ShapeDtypeStruct
     args = (s((PEER_N, PEER_D), jnp.float32), s(w_shape, jnp.float32), s((PEER_N,), jnp.int32))
     grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-    return grad.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    return compile_to_measure(grad.lower(*args)).memory_analysis().temp_size_in_bytes
 
 
 def test_default_temp_at_most_tokamax_chunked_xla_defaults():

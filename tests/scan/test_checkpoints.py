@@ -24,6 +24,7 @@ from test_offload import lower_text, placements
 from test_scan import CASES, F32_RTOL, Rand, assert_trees_close, values_and_grads_fn
 
 import jaxmem
+from jaxmem._src.jax_compat import compile_to_measure
 from jaxmem._src.listing import saved_residuals
 from jaxmem._src.scan import schedule as schedule
 from jaxmem._src.scan.hooks import collect_plans
@@ -423,7 +424,7 @@ def _plan_args(length):
 
 
 def temp_bytes(fn, args):
-    return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+    return compile_to_measure(jax.jit(fn).lower(*args)).memory_analysis().temp_size_in_bytes
 
 
 def test_compiled_temp_is_below_stock_and_lean_and_grows_with_k():
