@@ -1,9 +1,13 @@
 """``jaxmem.optimize(train_step, budget=...)`` against a framework's own remat policies.
 
-``python -m benchmarks.budget [--quick] [--rounds N] [--json PATH] [--plot PATH]`` measures a
-plain-JAX GPT train step written the way its users write it: ``lax.scan`` over stacked layer
-parameters, the body under ``jax.checkpoint(policy=nothing_saveable)`` (full remat, the default
-of most frameworks), ``jax.value_and_grad`` and an SGD-momentum update in one jitted step.
+``python -m benchmarks.budget [--model gpt|nnx|equinox] [--quick] [--rounds N] [--json PATH]
+[--plot PATH]`` measures a GPT train step written the way each model's users write it, the
+layer stack's body under full remat (``nothing_saveable``, the default of most frameworks) and
+an SGD-momentum update in one jitted step: ``gpt``, plain JAX (``lax.scan`` over stacked
+parameters, ``jax.checkpoint``, ``jax.value_and_grad``); ``nnx``, Flax NNX (``nnx.vmap`` init,
+``nnx.scan`` over ``nnx.remat``, ``nnx.value_and_grad``); ``equinox`` (``eqx.filter_vmap``
+init, ``lax.scan`` over ``eqx.filter_checkpoint``, ``eqx.filter_value_and_grad``). The same
+blocks and attention in each.
 
 1. The framework's own policies (``jax.checkpoint_policies``: full remat, ``dots_saveable``,
    ``dots_with_no_batch_dims_saveable``, no remat): the compiled step's peak (temp + arguments +
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import pathlib
 import statistics
@@ -66,47 +71,69 @@ def _norm(x, g):
     return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * g[None, None]
 
 
-def make_step(sizes: Sizes, policy=cp.nothing_saveable, *, remat: bool = True):
+def _attention(q, k, v, heads: int):
+    """Causal softmax attention of ``[b, t, d]`` projections, the same in every model."""
+    b, t, d = q.shape
+    split = lambda a: a.reshape(b, t, heads, d // heads)
+    s = jnp.einsum("bqhd,bkhd->bhqk", split(q), split(k)) / (d // heads) ** 0.5
+    s = jnp.where(jnp.tril(jnp.ones((t, t), bool))[None, None], s, -1e9)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), split(v)).reshape(b, t, d)
+
+
+def _cross_entropy(logits, tokens):
+    logp = jax.nn.log_softmax(logits)
+    return -jnp.mean(jnp.take_along_axis(logp, tokens[..., None], -1))
+
+
+def _sgd_momentum(params, momentum, grads):
+    momentum = jax.tree.map(lambda m, g: 0.9 * m + g, momentum, grads)
+    return jax.tree.map(lambda p, m: p - 1e-2 * m, params, momentum), momentum
+
+
+def make_step(sizes: Sizes, policy=cp.nothing_saveable, *, remat: bool = True, model="gpt"):
     """The train step: ``(params, momentum, tokens) -> (loss, params, momentum)``. ``policy``:
-    the body's ``jax.checkpoint`` policy; ``remat=False``: no ``jax.checkpoint``."""
-    d, h = sizes.d, sizes.heads
+    the body's ``jax.checkpoint`` policy; ``remat=False``: no ``jax.checkpoint``. ``model``:
+    one of :data:`MODELS`."""
+    return MODELS[model][0](sizes, policy if remat else None)
+
+
+def make_args(sizes: Sizes, seed: int = 0, model="gpt"):
+    """Parameters, zero momentum and a batch of tokens."""
+    params = MODELS[model][1](sizes, seed)
+    momentum = jax.tree.map(jnp.zeros_like, params)
+    tokens = jax.random.randint(jax.random.key(seed + 1), (sizes.batch, sizes.seq), 0, sizes.vocab)
+    return params, momentum, tokens
+
+
+def _gpt_step(sizes: Sizes, policy):
+    """Plain JAX: ``lax.scan`` over stacked parameters, the body under ``jax.checkpoint``."""
 
     def block(x, p):
-        b, t, _ = x.shape
         q, k, v = jnp.split(_norm(x, p["g1"]) @ p["qkv"], 3, -1)
-        split = lambda a: a.reshape(b, t, h, d // h)
-        s = jnp.einsum("bqhd,bkhd->bhqk", split(q), split(k)) / (d // h) ** 0.5
-        s = jnp.where(jnp.tril(jnp.ones((t, t), bool))[None, None], s, -1e9)
-        a = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), split(v)).reshape(b, t, d)
-        x = x + a @ p["o"]
+        x = x + _attention(q, k, v, sizes.heads) @ p["o"]
         return x + jax.nn.gelu(_norm(x, p["g2"]) @ p["up"]) @ p["down"]
 
     body = lambda x, p: (block(x, p), None)
-    if remat:
+    if policy is not None:
         body = jax.checkpoint(body, policy=policy)
 
     def loss(params, tokens):
         x = params["emb"][tokens]
         x, _ = jax.lax.scan(body, x, params["blocks"])
-        logits = x @ params["emb"].T
-        logp = jax.nn.log_softmax(logits)
-        return -jnp.mean(jnp.take_along_axis(logp, tokens[..., None], -1))
+        return _cross_entropy(x @ params["emb"].T, tokens)
 
     def train_step(params, momentum, tokens):
         value, grads = jax.value_and_grad(loss)(params, tokens)
-        momentum = jax.tree.map(lambda m, g: 0.9 * m + g, momentum, grads)
-        params = jax.tree.map(lambda p, m: p - 1e-2 * m, params, momentum)
-        return value, params, momentum
+        return value, *_sgd_momentum(params, momentum, grads)
 
     return train_step
 
 
-def make_args(sizes: Sizes, seed: int = 0):
-    """Parameters, zero momentum and a batch of tokens."""
+def _gpt_params(sizes: Sizes, seed: int):
     L, d, v = sizes.layers, sizes.d, sizes.vocab
     keys = iter(jax.random.split(jax.random.key(seed), 8))
     n = lambda *s: jax.random.normal(next(keys), s) * 0.02
-    params = {
+    return {
         "emb": n(v, d),
         "blocks": {
             "qkv": n(L, d, 3 * d),
@@ -117,9 +144,141 @@ def make_args(sizes: Sizes, seed: int = 0):
             "g2": jnp.ones((L, d)),
         },
     }
-    momentum = jax.tree.map(jnp.zeros_like, params)
-    tokens = jax.random.randint(next(keys), (sizes.batch, sizes.seq), 0, v)
-    return params, momentum, tokens
+
+
+@functools.lru_cache
+def _nnx_model(sizes: Sizes, seed: int):
+    """Flax NNX: the blocks made by ``nnx.vmap`` (one stacked module); the graph and the
+    parameters' state (one per sizes and seed: the step's graph is the parameters')."""
+    from flax import nnx
+
+    d = sizes.d
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            linear = lambda i, o: nnx.Linear(i, o, use_bias=False, rngs=rngs)
+            self.norm1, self.norm2 = nnx.RMSNorm(d, rngs=rngs), nnx.RMSNorm(d, rngs=rngs)
+            self.qkv, self.o = linear(d, 3 * d), linear(d, d)
+            self.up, self.down = linear(d, 4 * d), linear(4 * d, d)
+
+        def __call__(self, x):
+            q, k, v = jnp.split(self.qkv(self.norm1(x)), 3, -1)
+            x = x + self.o(_attention(q, k, v, sizes.heads))
+            return x + self.down(jax.nn.gelu(self.up(self.norm2(x))))
+
+    class GPT(nnx.Module):
+        def __init__(self, rngs):
+            self.emb = nnx.Embed(sizes.vocab, d, rngs=rngs)
+
+            @nnx.split_rngs(splits=sizes.layers)
+            @nnx.vmap(in_axes=0, out_axes=0)
+            def blocks(rngs):
+                return Block(rngs)
+
+            self.blocks = blocks(rngs)
+
+    return nnx.split(GPT(nnx.Rngs(seed)))
+
+
+def _nnx_step(sizes: Sizes, policy):
+    """``nnx.scan`` over the stacked blocks under ``nnx.remat``, ``nnx.value_and_grad``."""
+    from flax import nnx
+
+    graphdef, _ = _nnx_model(sizes, 0)  # make_args' seed 0
+
+    def loss(model, tokens):
+        body = lambda x, block: block(x)
+        if policy is not None:
+            body = nnx.remat(body, policy=policy)
+        x = nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(
+            model.emb(tokens), model.blocks
+        )
+        return _cross_entropy(model.emb.attend(x), tokens)
+
+    def train_step(state, momentum, tokens):
+        value, grads = nnx.value_and_grad(loss)(nnx.merge(graphdef, state), tokens)
+        return value, *_sgd_momentum(state, momentum, grads)
+
+    return train_step
+
+
+@functools.lru_cache
+def _equinox_model(sizes: Sizes, seed: int):
+    """Equinox: per-sequence modules, the blocks made by ``eqx.filter_vmap``; the model's
+    arrays and the rest (one per sizes and seed: the step's static part is the arrays')."""
+    import equinox as eqx
+
+    d = sizes.d
+
+    class Block(eqx.Module):
+        norm1: eqx.nn.RMSNorm
+        norm2: eqx.nn.RMSNorm
+        qkv: eqx.nn.Linear
+        o: eqx.nn.Linear
+        up: eqx.nn.Linear
+        down: eqx.nn.Linear
+
+        def __init__(self, key):
+            k = jax.random.split(key, 4)
+            self.norm1, self.norm2 = eqx.nn.RMSNorm(d), eqx.nn.RMSNorm(d)
+            self.qkv = eqx.nn.Linear(d, 3 * d, use_bias=False, key=k[0])
+            self.o = eqx.nn.Linear(d, d, use_bias=False, key=k[1])
+            self.up = eqx.nn.Linear(d, 4 * d, use_bias=False, key=k[2])
+            self.down = eqx.nn.Linear(4 * d, d, use_bias=False, key=k[3])
+
+        def __call__(self, x):  # one sequence, [t, d]
+            tokens = lambda f, a: jax.vmap(f)(a)
+            q, k, v = jnp.split(tokens(self.qkv, tokens(self.norm1, x)), 3, -1)
+            x = x + tokens(self.o, _attention(q[None], k[None], v[None], sizes.heads)[0])
+            mlp = lambda a: self.down(jax.nn.gelu(self.up(self.norm2(a))))
+            return x + tokens(mlp, x)
+
+    class GPT(eqx.Module):
+        emb: eqx.nn.Embedding
+        blocks: Block
+
+        def __init__(self, key):
+            k1, k2 = jax.random.split(key)
+            # Scaled as the others' (N(0, 1) would make the tied logits one-hot: loss 0).
+            self.emb = eqx.nn.Embedding(weight=jax.random.normal(k1, (sizes.vocab, d)) * 0.02)
+            self.blocks = eqx.filter_vmap(Block)(jax.random.split(k2, sizes.layers))
+
+    return eqx.partition(GPT(jax.random.key(seed)), eqx.is_array)
+
+
+def _equinox_step(sizes: Sizes, policy):
+    """``lax.scan`` over the stacked blocks' arrays under ``eqx.filter_checkpoint``,
+    ``eqx.filter_value_and_grad``."""
+    import equinox as eqx
+
+    _, static = _equinox_model(sizes, 0)  # make_args' seed 0
+
+    def loss(model, tokens):
+        block_static = static.blocks
+
+        def body(x, p):
+            return jax.vmap(eqx.combine(p, block_static))(x), None
+
+        if policy is not None:
+            body = eqx.filter_checkpoint(body, policy=policy)
+        x = jax.vmap(jax.vmap(model.emb))(tokens)
+        x, _ = jax.lax.scan(body, x, eqx.filter(model.blocks, eqx.is_array))
+        return _cross_entropy(x @ model.emb.weight.T, tokens)
+
+    def train_step(params, momentum, tokens):
+        model = eqx.combine(params, static)
+        value, grads = eqx.filter_value_and_grad(loss)(model, tokens)
+        return value, *_sgd_momentum(params, momentum, eqx.filter(grads, eqx.is_array))
+
+    return train_step
+
+
+# Each model as its users write it: (make the step at a policy, make the parameters).
+MODELS = {
+    "gpt": (_gpt_step, _gpt_params),
+    "nnx": (_nnx_step, lambda sizes, seed: _nnx_model(sizes, seed)[1]),
+    "equinox": (_equinox_step, lambda sizes, seed: _equinox_model(sizes, seed)[0]),
+}
 
 
 def compiled_figures(fn, args) -> tuple[int, float, object]:
@@ -160,13 +319,13 @@ def _paired_times(fa, fb, args, rounds: int) -> tuple[float, float]:
     return statistics.median(ta), statistics.median(tb)
 
 
-def measure(sizes: Sizes, rounds: int) -> dict:
-    args = make_args(sizes)
-    default = make_step(sizes)
+def measure(sizes: Sizes, rounds: int, model: str = "gpt") -> dict:
+    args = make_args(sizes, model=model)
+    default = make_step(sizes, model=model)
     want = jax.jit(default)(*args)
     policies = {}
     for label, policy in POLICIES.items():
-        fn = make_step(sizes, policy, remat=policy is not None)
+        fn = make_step(sizes, policy, remat=policy is not None, model=model)
         peak, flops, comp = compiled_figures(fn, args)
         policies[label] = dict(peak=peak, flops=flops, program=comp)
     spread = max(largest_error(p["program"](*args), want) for p in policies.values())
@@ -214,6 +373,7 @@ def measure(sizes: Sizes, rounds: int) -> dict:
         del p["program"]
     return dict(
         jax=jax.__version__,
+        model=model,
         backend=jax.default_backend(),
         sizes=dataclasses.asdict(sizes),
         policies=policies,
@@ -234,7 +394,7 @@ def _time_one(f, args) -> float:
 
 def table(result: dict) -> str:
     lines = [
-        f"jax {result['jax']} ({result['backend']}), {result['sizes']}",
+        f"{result['model']}: jax {result['jax']} ({result['backend']}), {result['sizes']}",
         "framework policies:",
     ]
     for k, p in result["policies"].items():
@@ -279,7 +439,8 @@ def plot(result: dict, path: pathlib.Path) -> None:
         ax.axvline(p["budget"] / MiB, color="tab:blue", ls=":", lw=0.6)
     ax.set_xlabel("compiled step peak (MiB: temp + arguments + outputs - aliased)")
     ax.set_ylabel("step time (ms)")
-    ax.set_title(f"GPT train step, jax {result['jax']} ({result['backend']}); dotted: budgets")
+    title = f"{result['model']} train step, jax {result['jax']} ({result['backend']})"
+    ax.set_title(f"{title}; dotted: budgets")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -290,10 +451,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.budget", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
     parser.add_argument("--rounds", type=int, default=11, help="paired rounds of the time bar")
+    parser.add_argument("--model", choices=sorted(MODELS), default="gpt", help="the model")
     parser.add_argument("--json", type=pathlib.Path, help="write every figure to this file")
     parser.add_argument("--plot", type=pathlib.Path, help="draw the frontier to this file")
     args = parser.parse_args(argv)
-    result = measure(QUICK if args.quick else FULL, 3 if args.quick else args.rounds)
+    result = measure(QUICK if args.quick else FULL, 3 if args.quick else args.rounds, args.model)
     print(table(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from benchmarks import budget
 
 
@@ -18,3 +20,17 @@ def test_quick_run(tmp_path, capsys):
     assert result["time"]["peak"] <= result["time"]["budget"]
     assert png.stat().st_size > 0
     assert 'objective="time"' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("model", ["nnx", "equinox"])
+def test_framework_models_step_as_the_plain_one(model):
+    """The NNX and Equinox steps (``--model``): each policy's step gives the default's outputs,
+    and full remat's peak is below no remat's (the remat is applied)."""
+    pytest.importorskip({"nnx": "flax", "equinox": "equinox"}[model])
+    sizes = budget.QUICK
+    args = budget.make_args(sizes, model=model)
+    default = budget.compiled_figures(budget.make_step(sizes, model=model), args)
+    none = budget.compiled_figures(budget.make_step(sizes, remat=False, model=model), args)
+    assert default[0] < none[0] and none[1] < default[1]
+    assert budget.largest_error(none[2](*args), default[2](*args)) <= 1e-5
+    assert float(default[2](*args)[0]) > 1.0  # the cross-entropy of random tokens
