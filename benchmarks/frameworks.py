@@ -53,7 +53,9 @@ the peak of ``jax.jit`` of it compiled in full (a failure where above ``B``), it
 fewest FLOPs among the own choices that fit ``B``, the planning time (``budget_plan``; cold,
 jaxmem's cache of measured settings emptied, and a second plan's, a cache hit), and the
 largest output error against the default step (:func:`benchmarks.budget.largest_error`; a
-failure above 1e-5).
+failure above 1e-5). Unless ``--no-time``: ``objective="time"`` at twice the default's peak,
+its step time against the fastest own choice that fits (``--repeats`` paired rounds, 21 by
+default).
 
 Usage: ``python -m benchmarks.frameworks [--quick] [--no-time] [--repeats N] [--json PATH]
 [--budget]``.
@@ -736,12 +738,15 @@ def _budgets(peaks: Sequence[int]) -> list[int]:
     return sorted({int(lo + (hi - lo) * f) for f in BUDGET_FRACTIONS})
 
 
-def budget_study(study: BudgetStudy, progress: bool = False) -> dict[str, Any]:
+def budget_study(
+    study: BudgetStudy, progress: bool = False, rounds: int | None = None
+) -> dict[str, Any]:
     """The study's own choices (compiled peak and FLOPs) and ``optimize(default, budget=B)`` at
     each of :func:`_budgets`: the chosen setting, the peak and FLOPs of ``jax.jit`` of it
     compiled in full, the fewest FLOPs among the own choices that fit ``B``, the planning time
-    (``budget_plan``) and the largest output error against the default step's. A failure is
-    recorded in ``failures`` (with its traceback), never raised."""
+    (``budget_plan``) and the largest output error against the default step's. With ``rounds``:
+    :func:`_time_study` too. A failure is recorded in ``failures`` (with its traceback), never
+    raised."""
     import traceback  # noqa: PLC0415
 
     from benchmarks.budget import compiled_figures, largest_error  # noqa: PLC0415
@@ -833,10 +838,41 @@ def budget_study(study: BudgetStudy, progress: bool = False) -> dict[str, Any]:
                     f"budget {b} ({format_mib(b)}): {row['chosen']} output error "
                     f"{row['error']:.3e} > {BUDGET_ERROR_BAR:.0e}"
                 )
+        if rounds:
+            say("objective='time' at twice the default's peak")
+            try:
+                out["time"] = _time_study(study, programs, own, rounds)
+            except Exception:  # noqa: BLE001 - recorded
+                out["failures"].append(f"objective='time': exception\n{traceback.format_exc()}")
     return out
 
 
-def budget_rows(quick: bool, progress: bool = False) -> list[dict[str, Any]]:
+def _time_study(study: BudgetStudy, programs: dict, own: dict, rounds: int) -> dict[str, Any]:
+    """``optimize(default, budget=2 x the default's peak, objective="time")``: its step time
+    against the fastest own choice that fits (the least median of 3 interleaved rounds), over
+    ``rounds`` paired rounds A A B B (:func:`harness.time_interleaved`)."""
+    from benchmarks.budget import compiled_figures  # noqa: PLC0415
+
+    args, b = study.args, 2 * own[study.default]["peak"]
+    opt = jaxmem.optimize(study.steps[study.default], budget=b, objective="time")
+    chosen = opt.budget_plan(*args).chosen.key
+    peak, _, comp = compiled_figures(opt, args)
+    fits = [k for k, p in own.items() if p["peak"] <= b]
+    single = harness.time_interleaved({k: programs[k] for k in fits}, *args, repeats=3)
+    fastest = min(single, key=lambda k: single[k].median_s)
+    paired = harness.time_interleaved(
+        {"ours": comp, "own": programs[fastest]}, *args, repeats=rounds
+    )
+    ours, theirs = paired["ours"].median_s, paired["own"].median_s
+    return dict(
+        budget=b, chosen=chosen, peak=peak, seconds=ours, fastest_own=fastest,
+        fastest_seconds=theirs, ratio=ours / theirs, rounds=rounds,
+    )  # fmt: skip
+
+
+def budget_rows(
+    quick: bool, progress: bool = False, rounds: int | None = None
+) -> list[dict[str, Any]]:
     """:func:`budget_study` of each installed framework's models (Levanter's Llama, MaxText's
     llama2); a model that fails to build is a study with only its failure."""
     import traceback  # noqa: PLC0415
@@ -852,7 +888,7 @@ def budget_rows(quick: bool, progress: bool = False) -> list[dict[str, Any]]:
             failure = f"building the model failed\n{traceback.format_exc()}"
             out.append({"name": module, "policies": {}, "plans": [], "failures": [failure]})
             continue
-        out += [budget_study(st, progress) for st in studies]
+        out += [budget_study(st, progress, rounds) for st in studies]
     return out
 
 
@@ -889,6 +925,14 @@ def format_budget_table(studies: Sequence[dict[str, Any]]) -> str:
                 f"plan {p['planning_s']:.1f} s (cached {p['planning_cached_s']:.1f} s)  "
                 f"err {p['error']:.1e}"
             )
+        if "time" in st:
+            t = st["time"]
+            lines.append(
+                f'  objective="time", B {format_mib(t["budget"])}: {t["chosen"]}, peak '
+                f"{format_mib(t['peak'])}, {t['seconds'] * 1e3:.2f} ms vs {t['fastest_own']} "
+                f"{t['fastest_seconds'] * 1e3:.2f} ms: {t['ratio']:.3f}x ({t['rounds']} paired "
+                "rounds)"
+            )
         if st.get("notes"):
             lines += ["  notes:"] + [f"    {n}" for n in st["notes"]]
         if st["failures"]:
@@ -912,7 +956,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--budget",
         action="store_true",
         help="the budget study instead: optimize(train_step, budget=B) against the framework's "
-        "own remat choices (compiled figures only, no timing)",
+        "own remat choices (compiled figures; objective='time' at twice the default's peak "
+        "timed over --repeats paired rounds, default 21, none with --no-time)",
     )
     args = parser.parse_args(argv)
     if args.budget:
@@ -944,7 +989,8 @@ def _budget_main(args) -> int:
         f"sizes: {QUICK if args.quick else FULL}",
         flush=True,
     )
-    studies = budget_rows(args.quick, progress=True)
+    rounds = None if args.no_time else (args.repeats or (3 if args.quick else 21))
+    studies = budget_rows(args.quick, progress=True, rounds=rounds)
     if studies:
         print(format_budget_table(studies))
     if args.json is not None:
