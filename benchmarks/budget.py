@@ -1,13 +1,13 @@
 """``jaxmem.optimize(train_step, budget=...)`` against a framework's own remat policies.
 
-``python -m benchmarks.budget [--model gpt|nnx|equinox] [--quick] [--rounds N] [--json PATH]
-[--plot PATH]`` measures a GPT train step written the way each model's users write it, the
-layer stack's body under full remat (``nothing_saveable``, the default of most frameworks) and
-an SGD-momentum update in one jitted step: ``gpt``, plain JAX (``lax.scan`` over stacked
-parameters, ``jax.checkpoint``, ``jax.value_and_grad``); ``nnx``, Flax NNX (``nnx.vmap`` init,
-``nnx.scan`` over ``nnx.remat``, ``nnx.value_and_grad``); ``equinox`` (``eqx.filter_vmap``
-init, ``lax.scan`` over ``eqx.filter_checkpoint``, ``eqx.filter_value_and_grad``). The same
-blocks and attention in each.
+``python -m benchmarks.budget [--model gpt|nnx|equinox] [--quick] [--sizes k=v,...] [--rounds N]
+[--json PATH] [--plot PATH]`` measures a GPT train step written the way each model's users
+write it, the layer stack's body under full remat (``nothing_saveable``, the default of most
+frameworks) and an SGD-momentum update in one jitted step: ``gpt``, plain JAX (``lax.scan``
+over stacked parameters, ``jax.checkpoint``, ``jax.value_and_grad``); ``nnx``, Flax NNX
+(``nnx.vmap`` init, ``nnx.scan`` over ``nnx.remat``, ``nnx.value_and_grad``); ``equinox``
+(``eqx.filter_vmap`` init, ``lax.scan`` over ``eqx.filter_checkpoint``,
+``eqx.filter_value_and_grad``). The same blocks and attention in each.
 
 1. The framework's own policies (``jax.checkpoint_policies``: full remat, ``dots_saveable``,
    ``dots_with_no_batch_dims_saveable``, no remat): the compiled step's peak (temp + arguments +
@@ -452,10 +452,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
     parser.add_argument("--rounds", type=int, default=11, help="paired rounds of the time bar")
     parser.add_argument("--model", choices=sorted(MODELS), default="gpt", help="the model")
+    parser.add_argument(
+        "--sizes", default="", help="overrides of the sizes, e.g. 'batch=2,seq=512' (Sizes' fields)"
+    )
     parser.add_argument("--json", type=pathlib.Path, help="write every figure to this file")
     parser.add_argument("--plot", type=pathlib.Path, help="draw the frontier to this file")
     args = parser.parse_args(argv)
-    result = measure(QUICK if args.quick else FULL, 3 if args.quick else args.rounds, args.model)
+    sizes = QUICK if args.quick else FULL
+    try:
+        given = dict(kv.split("=") for kv in args.sizes.split(",") if kv)
+        sizes = dataclasses.replace(sizes, **{k: int(v) for k, v in given.items()})
+    except (TypeError, ValueError) as e:
+        parser.error(f"--sizes {args.sizes!r}: {e}")
+    result = measure(sizes, 3 if args.quick else args.rounds, args.model)
     print(table(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

@@ -9,8 +9,10 @@ from benchmarks import budget
 
 def test_quick_run(tmp_path, capsys):
     out, png = tmp_path / "budget.json", tmp_path / "frontier.png"
-    assert budget.main(["--quick", "--json", str(out), "--plot", str(png)]) == 0
+    argv = ["--quick", "--sizes", "seq=16,batch=2", "--json", str(out), "--plot", str(png)]
+    assert budget.main(argv) == 0
     result = json.loads(out.read_text())
+    assert (result["sizes"]["seq"], result["sizes"]["batch"]) == (16, 2)
     assert set(result["policies"]) == set(budget.POLICIES)
     assert len(result["plans"]) >= 4
     for p in result["plans"]:
@@ -20,6 +22,12 @@ def test_quick_run(tmp_path, capsys):
     assert result["time"]["peak"] <= result["time"]["budget"]
     assert png.stat().st_size > 0
     assert 'objective="time"' in capsys.readouterr().out
+
+
+def test_bad_sizes_are_a_usage_error(capsys):
+    with pytest.raises(SystemExit):
+        budget.main(["--quick", "--sizes", "width=3"])
+    assert "--sizes 'width=3'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("model", ["nnx", "equinox"])

@@ -161,16 +161,14 @@ def _unrolled_choice(rules, config: LoopConfig, inputs, body) -> tuple[str, dict
 
         return program
 
-    programs = {
-        "rolled_backward": lean(True),
-        "unrolled": lean(False),
-        "stock": _stock_program(rules),
-    }
+    whole = rules.unrolled_whole
+    programs = {"unrolled": lean(False), "stock": _stock_program(rules)}
+    if whole:  # a loop unrolled in part keeps its unroll or runs as stock (keep_unroll)
+        programs["rolled_backward"] = lean(True)
     guarded = rules.body.preventing_cse() if rules.own_remat else None
     if guarded is not None:
         programs["stock_prevent_cse"] = _stock_program(rules, guarded)
     in_avals = tuple(tuple(jax.typeof(v) for v in g) for g in inputs)
-    whole = rules.unrolled_whole
     # Not the caller's name: jaxmem.scan and scan_residuals share a choice.
     key = (
         str(body.jaxpr),
