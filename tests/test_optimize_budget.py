@@ -410,3 +410,48 @@ def test_named_values_match_a_frameworks_name_based_policies():
     assert {f"lax.scan, save {n}" for n in ("qkv", "out_proj", "mlpwi", "mlpwo")} <= set(keys)
     assert any(k.startswith("lax.scan, save ") and "," in k for k in keys), keys  # prefixes
     close(jax.jit(jaxmem.optimize(step, budget=figures[2][0]))(*args), jax.jit(step)(*args))
+
+
+def two_stacks():
+    """A step over two scanned stacks under full remat, one wide in the batch (its residuals
+    large, its recompute cheap), one wide in the features (the other way round)."""
+
+    def loss(wa, wb, xa, xb):
+        fa = jax.checkpoint(lambda h, x: (jnp.tanh(jnp.tanh(h @ wa + x) @ wa), None))
+        fb = jax.checkpoint(lambda h, x: (jnp.tanh(jnp.tanh(h @ wb + x) @ wb), None))
+        ha, _ = jax.lax.scan(fa, jnp.zeros((256, 64)), xa)
+        hb, _ = jax.lax.scan(fb, jnp.zeros((4, 512)), xb)
+        return jnp.sum(ha**2) + jnp.sum(hb**2)
+
+    def step(wa, wb, xa, xb):
+        value, (ga, gb) = jax.value_and_grad(loss, (0, 1))(wa, wb, xa, xb)
+        return value, wa - 0.1 * ga, wb - 0.1 * gb
+
+    xa = jnp.linspace(-0.1, 0.1, 64 * 256 * 64).reshape(64, 256, 64)
+    xb = jnp.linspace(-0.1, 0.1, 64 * 4 * 512).reshape(64, 4, 512)
+    return step, (jnp.eye(64) * 0.5, jnp.eye(512) * 0.5, xa, xb)
+
+
+def test_scans_at_two_call_sites_get_a_setting_each():
+    """Where one setting for both stacks fits only with both recomputed, the plan keeps the
+    cheap stack's values and recomputes the other's: fewer FLOPs than every uniform setting
+    that fits, within the budget, the outputs the step's."""
+    step, args = two_stacks()
+    own_peak, own_flops = peak_and_flops(step, args)
+    budget = own_peak + 2 * 2**20
+    opt = jaxmem.optimize(step, budget=budget)
+    plan = opt.budget_plan(*args)
+    assert "; other scans: " in plan.chosen.key, plan.chosen.key  # a setting per call site
+    uniform = [t for t in plan.trials if ";" not in t.key and t.peak_bytes <= budget]
+    peak, flops = peak_and_flops(opt, args)
+    assert peak <= budget and flops < min(t.flops for t in uniform) < 1.01 * own_flops
+    close(jax.jit(opt)(*args), jax.jit(step)(*args))
+    # explain names each scan's own setting.
+    why = {r.source.split()[0].rsplit("/", 1)[-1]: r.why for r in opt.explain(*args).scans}
+    assert len(why) == 2 and len(set(why.values())) == 2, why
+
+
+def test_one_call_site_adds_no_settings():
+    step, args = rnn_step()
+    plan = jaxmem.optimize(step, budget=2**40).budget_plan(*args)
+    assert not any(";" in t.key for t in plan.trials)

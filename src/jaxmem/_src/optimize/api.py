@@ -241,14 +241,20 @@ class Optimized:
             raise ValueError("jaxmem.optimize: budget_plan needs optimize(..., budget=...)")
         return self._planned(args, kwargs)[0]
 
-    def _rewriter(self, setting: _budget.Setting, **kw) -> _rw.Rewriter:
+    def _rewriter(self, setting, **kw) -> _rw.Rewriter:
+        """A rewriter running each scan as ``setting`` (a budget's Setting or PerScan) says."""
         return _rw.Rewriter(
-            setting.options(self._options),
-            step_remat=setting.step_remat,
-            loop=setting.loop,
-            op_names=self._op_names,
-            **kw,
+            self._options, op_names=self._op_names, decide=setting.decision(self._options), **kw
         )
+
+    def _scan_sources(self, args, kwargs) -> list[str]:
+        """Where the function's outermost scans are called (one trace), in the order met."""
+        sources: list[str] = []
+        record = lambda found: sources.append(found.source)
+        closed, arrays, _ = self._traced(args, kwargs, self._rewriter(_DEFAULT, on_found=record))
+        rest = _rw.Rewriter(self._options, rewrite=False, on_found=record)
+        jax.eval_shape(lambda *a: rest.eval_closed(closed, a), *arrays)
+        return sources
 
     def _run(self, setting: _budget.Setting, args, kwargs):
         """The function's array outputs under ``setting``, and (the output tree, its static
@@ -283,6 +289,27 @@ class Optimized:
         more = _budget.prefixes(names, {t.key: (t.peak_bytes, t.flops) for t in trials})
         cands += more
         trials += _budget.measured(self._fn, shared, run, more, arrays) if more else []
+        # Scans at several call sites: each under another setting, the others as the best
+        # uniform one (or the leanest where none fits), then the best swap of each joined.
+        sources = _budget.scan_sources(
+            self._fn, shared, lambda: self._scan_sources(*split.merge(arrays))
+        )
+        base = _budget.choose(trials, self._budget, "flops")[0]
+        if base is None:
+            base = min(
+                (i for i, t in enumerate(trials) if t.peak_bytes is not None),
+                key=lambda i: trials[i].peak_bytes,
+            )
+        uniform = [c for c in _budget.settings() if c != cands[base]]
+        more = list(_budget.swaps(sources, cands[base], uniform))
+        trials += _budget.measured(self._fn, shared, run, more, arrays) if more else []
+        cands += more
+        joined = _budget.combined(
+            cands[base], {t.key: (t.peak_bytes, t.flops) for t in trials}, cands, self._budget
+        )
+        if joined is not None:
+            trials += _budget.measured(self._fn, shared, run, [joined], arrays)
+            cands.append(joined)
         timed = lambda indices: _budget.timed(run, [cands[i] for i in indices], arrays)
         pick, trials = _budget.choose(trials, self._budget, self._objective, timed)
         if pick is None:
@@ -309,7 +336,7 @@ class Optimized:
         # The scans the function differentiates itself run as jaxmem.scan (as when called); each
         # is measured where it is met, its differentiation's trace live (those nested in its
         # step are not listed apart).
-        options = setting.options(self._options)
+        options = lambda found: setting.for_source(found.source).options(self._options)(found)
         measure = lambda found: reports.extend(_measured([found], options))
         caught = self._rewriter(setting, on_found=measure)
         closed, arrays, _ = self._traced(args, kwargs, caught)
@@ -328,12 +355,22 @@ class Optimized:
             reports[: len(saved)] = [
                 dataclasses.replace(r, saved_bytes=b) for r, b in zip(reports, saved, strict=False)
             ]
-        if setting.loop != "jaxmem":  # the budget's plan runs them as lax.scan
-            why = f"the budget's plan runs it as {setting.key}"
-            reports = [ScanReport(r.source, r.length, False, why, r.called_from) for r in reports]
+        # The scans the budget's plan runs as lax.scan or as written.
+        reports = [
+            r
+            if (s := setting.for_source(r.source)).loop == "jaxmem"
+            else ScanReport(r.source, r.length, False, _runs_as(s), r.called_from)
+            for r in reports
+        ]
         for source, why in _rw.left_alone(_jc.open_jaxpr(closed)):
             reports.append(ScanReport(source, 0, False, why))
         return Explanation(tuple(reports), plan)
+
+
+def _runs_as(setting: _budget.Setting) -> str:
+    if setting.loop == "as written":
+        return "the budget's plan runs it as written"
+    return f"the budget's plan runs it as {setting.key}"
 
 
 def _measured(found: list, options: Callable) -> list[ScanReport]:

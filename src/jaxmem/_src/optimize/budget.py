@@ -9,8 +9,9 @@ the smaller peak, then the earlier setting), or with ``objective="time"`` the fa
 that fit, timed on the machine at hand.
 
 The steps: :func:`settings` (the candidates), :func:`measure` (compile each, in threads),
-:func:`choose` (the objective over those within the budget), :func:`unreachable` (the error when
-none fits).
+:func:`swaps` and :func:`combined` (where scans are called from several places: a setting per
+call site, :class:`PerScan`), :func:`choose` (the objective over those within the budget),
+:func:`unreachable` (the error when none fits).
 """
 
 from __future__ import annotations
@@ -92,6 +93,45 @@ class Setting:
 
         return options
 
+    def decision(self, base: Callable) -> Callable:
+        """``Rewriter.decide``: this setting for every scan."""
+        fixed = (self.loop, self.step_remat, self.options(base))
+        return lambda found: fixed
+
+    def for_source(self, source: str) -> Setting:
+        """The setting of the scan called at ``source``: this one."""
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class PerScan:
+    """A :class:`Setting` per scan, by where the scan is called (``file:line (function)``, as
+    :attr:`~jaxmem._src.optimize.rewrite.Found.source`; the scans of one call site share it);
+    the others run as ``rest``."""
+
+    by_source: tuple[tuple[str, Setting], ...]
+    rest: Setting
+
+    @property
+    def key(self) -> str:
+        own = "; ".join(f"{_short(src)}: {s.key}" for src, s in self.by_source)
+        return f"{own}; other scans: {self.rest.key}"
+
+    def for_source(self, source: str) -> Setting:
+        return dict(self.by_source).get(source, self.rest)
+
+    def decision(self, base: Callable) -> Callable:
+        def decide(found):
+            s = self.for_source(found.source)
+            return s.loop, s.step_remat, s.options(base)
+
+        return decide
+
+
+def _short(source: str) -> str:
+    """``"path/to/model.py:12 (block)"`` -> ``"model.py:12"``."""
+    return os.path.basename(source.split(" (")[0])
+
 
 _POLICY_KEYS = {None: "no remat", "nothing": "full remat"}
 AS_WRITTEN = Setting("as written")
@@ -137,6 +177,41 @@ def prefixes(names: Sequence[str], trials: dict) -> tuple[Setting, ...]:
             gains.append((-saved / max(added, 1), n))
     ranked = [n for _, n in sorted(gains)]
     return tuple(_save(ranked[:k]) for k in range(2, len(ranked) + 1))
+
+
+def swaps(sources: Sequence[str], base: Setting, others: Sequence[Setting]) -> tuple:
+    """Where the function has scans at 2 or more call sites: ``base`` for every scan but one,
+    that one under each of ``others`` (:func:`combined` joins the best of each)."""
+    if len(sources) < 2:
+        return ()
+    return tuple(PerScan(((src, s),), base) for src in sources for s in others if s != base)
+
+
+def combined(base: Setting, trials: dict, cands: Sequence, budget: int) -> PerScan | None:
+    """The swaps of :func:`swaps` joined: for each call site, its swap of fewest FLOPs whose peak
+    fits the budget (fewer than ``base``'s), or where ``base`` does not fit, of the smallest
+    peak (smaller than ``base``'s); None where fewer than two call sites gain. ``trials`` maps a
+    setting's key to its (peak, FLOPs)."""
+    here = trials.get(base.key)
+    if here is None or here[0] is None:
+        return None
+    fits = here[0] <= budget
+    best: dict[str, tuple] = {}
+    for c in cands:
+        if not isinstance(c, PerScan) or c.rest != base or len(c.by_source) != 1:
+            continue
+        peak, flops = trials.get(c.key, (None, None))
+        if peak is None:
+            continue
+        src, s = c.by_source[0]
+        gain = (here[1] - flops, -peak) if fits else (here[0] - peak, -flops)
+        if (fits and (peak > budget or flops >= here[1])) or (not fits and peak >= here[0]):
+            continue
+        if src not in best or gain > best[src][0]:
+            best[src] = (gain, s)
+    if len(best) < 2:
+        return None
+    return PerScan(tuple((src, s) for src, (_, s) in sorted(best.items())), base)
 
 
 def fallbacks() -> tuple[Setting, ...]:
@@ -352,6 +427,12 @@ def value_names(fn: Callable, key: tuple, run: Callable, arrays: Sequence) -> li
         return tuple(sorted({e.name for e in found}))
 
     return list(_cached(fn, (id(fn), key, "names"), discover))
+
+
+def scan_sources(fn: Callable, key: tuple, find: Callable[[], list[str]]) -> list[str]:
+    """The call sites of the function's outermost scans (``find()``: one trace), in the order
+    met; cached as :func:`measured`."""
+    return list(_cached(fn, (id(fn), key, "sources"), lambda: tuple(dict.fromkeys(find()))))
 
 
 def timed(

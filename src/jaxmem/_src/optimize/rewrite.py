@@ -66,7 +66,12 @@ class Rewriter:
     # Name each value of a scan's step by its op kind (op_kind: "matmul_0", "norm_statistic_1",
     # ...), for a planner's choice of what to keep in a program that names none.
     op_names: bool = False
+    # Per outermost scan: ``decide(found) -> (loop, step_remat, options)`` in place of the fields
+    # (``loop`` may be "as written": the scan bound as it is); the scans nested in its step
+    # follow its decision. None: the fields for every scan.
+    decide: Callable[[Found], tuple[str, str, Callable]] | None = None
     _kinds: dict = dataclasses.field(default_factory=dict)  # op kind -> values named so far
+    _now: tuple | None = None  # the decision of the scan whose step is being evaluated
     _outer: int = 0  # scans met outside any scan's body so far
     _depth: int = 0  # scan bodies being evaluated
 
@@ -102,7 +107,8 @@ class Rewriter:
                 params["policy"],
                 params["prevent_cse"],
             )
-            if self.step_remat == "drop" and self._depth > 0:
+            step_remat = self._now[1] if self._now is not None else self.step_remat
+            if step_remat == "drop" and self._depth > 0:
                 return list(self._sub(jaxpr)(*invals))
             # jax.checkpoint takes one prevent_cse; remat3 may stage one per input (any: kept).
             prevent_cse = prevent_cse if isinstance(prevent_cse, bool) else any(prevent_cse)
@@ -135,15 +141,18 @@ class Rewriter:
             invals[n_consts + n_carry :],
         )
         body = self._sub(params["jaxpr"])
+        decision: list = []  # (loop, step_remat, options), once decided below
 
         def step(carry, x):
             if self._depth == 0:
                 self._kinds.clear()  # each outermost step's values numbered from 0
             self._depth += 1
+            outer, self._now = self._now, decision[0] if decision else self._now
             try:
                 outs = body(*consts, *carry, *(x or ()))
             finally:
                 self._depth -= 1
+                self._now = outer
             return list(outs[:n_carry]), list(outs[n_carry:])
 
         found = Found(
@@ -164,9 +173,18 @@ class Rewriter:
             self._outer += 1
         if not self.rewrite or skipped:
             return as_it_is()
-        run = _scan_api.lax_scan if self.loop == "lax" else _scan_api.scan
-        options = self.options(found)
-        if self.loop == "lax":
+        if self._depth == 0 and self.decide is not None:
+            decision.append(self.decide(found))
+        elif self._now is not None:  # nested in a decided scan's step: its decision
+            decision.append(self._now)
+        else:
+            decision.append((self.loop, self.step_remat, self.options))
+        loop, _, options_of = decision[0]
+        if loop == "as written":
+            return as_it_is()
+        run = _scan_api.lax_scan if loop == "lax" else _scan_api.scan
+        options = options_of(found)
+        if loop == "lax":
             options = {"policy": options.get("policy")}
         carry, ys = run(
             step,
@@ -218,9 +236,14 @@ _JAXMEM = str(pathlib.Path(__file__).resolve().parents[2])  # the jaxmem package
 
 def _made_by_jaxmem(source_info) -> bool:
     """Whether a scan is one of jaxmem's own loops (a lean VJP's, of a scan that the function
-    differentiates itself: :mod:`~jaxmem._src.optimize.intercept`), bound as it is."""
+    differentiates itself: :mod:`~jaxmem._src.optimize.intercept`), or one a rewriter bound
+    already (a scan the function differentiates itself, run as its setting says), bound as it
+    is."""
     frames = _jc.user_frames(source_info)
-    return bool(frames) and jaxmem_own(frames[0].file_name)
+    if not frames:
+        return False
+    path = frames[0].file_name
+    return jaxmem_own(path) or os.path.realpath(path) == _THIS_FILE
 
 
 def jaxmem_own(path: str) -> bool:
@@ -230,6 +253,7 @@ def jaxmem_own(path: str) -> bool:
 
 
 _OPTIMIZE = str(pathlib.Path(__file__).resolve().parent)
+_THIS_FILE = os.path.realpath(__file__)
 
 
 def _in_a_package(path: str) -> bool:
