@@ -455,3 +455,29 @@ def test_one_call_site_adds_no_settings():
     step, args = rnn_step()
     plan = jaxmem.optimize(step, budget=2**40).budget_plan(*args)
     assert not any(";" in t.key for t in plan.trials)
+
+
+@pytest.mark.parametrize("wrap", [jax.jit, jax.checkpoint], ids=["jit", "checkpoint"])
+def test_the_budget_reaches_scans_in_a_jit_or_checkpoint_the_step_differentiates(wrap):
+    """The loss's scan inside a ``jax.jit`` or a ``jax.checkpoint``: its remat is dropped where a
+    setting says (fewer FLOPs than as written), and the copy of the loop JAX binds again under
+    the checkpoint is no call site of its own."""
+
+    def loss(w, xs):
+        @wrap
+        def inner(w, xs):
+            body = jax.checkpoint(lambda h, x: (jnp.tanh(jnp.tanh(h @ w + x) @ w), None))
+            return jnp.sum(jax.lax.scan(body, jnp.zeros((8, 32)), xs)[0] ** 2)
+
+        return inner(w, xs)
+
+    def step(w, xs):
+        value, g = jax.value_and_grad(loss)(w, xs)
+        return value, w - 0.1 * g
+
+    args = (jnp.eye(32) * 0.5, jnp.linspace(-0.1, 0.1, 16 * 8 * 32).reshape(16, 8, 32))
+    opt = jaxmem.optimize(step, budget=2**40)
+    plan = opt.budget_plan(*args)
+    assert plan.chosen.flops < plan.as_written.flops
+    assert not any(";" in t.key for t in plan.trials)
+    close(jax.jit(opt)(*args), jax.jit(step)(*args))

@@ -248,9 +248,11 @@ class Optimized:
         )
 
     def _scan_sources(self, args, kwargs) -> list[str]:
-        """Where the function's outermost scans are called (one trace), in the order met."""
+        """Where the function's outermost scans are called (one trace), in the order met; not
+        those with no source (a scan JAX binds again, as under a ``jax.checkpoint`` of the
+        loss: the same loop, which follows the other scans' setting)."""
         sources: list[str] = []
-        record = lambda found: sources.append(found.source)
+        record = lambda found: found.source and sources.append(found.source)
         closed, arrays, _ = self._traced(args, kwargs, self._rewriter(_DEFAULT, on_found=record))
         rest = _rw.Rewriter(self._options, rewrite=False, on_found=record)
         jax.eval_shape(lambda *a: rest.eval_closed(closed, a), *arrays)
