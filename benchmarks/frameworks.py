@@ -53,7 +53,9 @@ the peak of ``jax.jit`` of it compiled in full (a failure where above ``B``), it
 fewest FLOPs among the own choices that fit ``B``, the planning time (``budget_plan``; cold,
 jaxmem's cache of measured settings emptied, and a second plan's, a cache hit), and the
 largest output error against the default step (:func:`benchmarks.budget.largest_error`; a
-failure above 1e-5). Unless ``--no-time``: ``objective="time"`` at twice the default's peak,
+failure above 1e-5). ``jaxmem.optimize(default step)`` without a budget: its compiled temp
+against the same step written around ``jaxmem.optimize(loss)`` (a failure above 1.02x + 16
+KiB) and its outputs' error. Unless ``--no-time``: ``objective="time"`` at twice the default's peak,
 its step time against the fastest own choice that fits (``--repeats`` paired rounds, 21 by
 default).
 
@@ -65,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib.util
 import json
 import os
@@ -639,6 +642,8 @@ class BudgetStudy:
       steps: own choice's label -> the train step ``(*args) -> (loss, params, momentum)``.
       args: the step's arguments.
       context: a context manager the study is measured in (MaxText's mesh), or None.
+      written_lean: the default step written around ``jaxmem.optimize(loss)`` (what
+        ``jaxmem.optimize(step)`` without a budget is measured against), or None.
     """
 
     name: str
@@ -646,6 +651,7 @@ class BudgetStudy:
     steps: dict[str, Callable]
     args: tuple
     context: Callable[[], Any] | None = None
+    written_lean: Callable | None = None
 
     @property
     def default(self) -> str:
@@ -672,14 +678,14 @@ def levanter_budget_studies(s: Sizes) -> list[BudgetStudy]:
     import haliax as hax  # noqa: PLC0415
     from levanter.models.lm_model import LmExample  # noqa: PLC0415
 
-    steps, args, tree = {}, None, None
+    steps, args, tree, lean = {}, None, None, None
     for gc in LEVANTER_GC:
         parts = _levanter_parts(s, "llama", gc)
 
-        def train_step(arrays, momentum, token_ids, parts=parts):
+        def train_step(arrays, momentum, token_ids, parts=parts, wrap=lambda f: f):
             model = eqx.combine(arrays, parts.static)
             example = hax.vmap(LmExample.causal, parts.batch)(token_ids)
-            value, grads = eqx.filter_value_and_grad(parts.loss)(model, example)
+            value, grads = eqx.filter_value_and_grad(wrap(parts.loss))(model, example)
             grads = eqx.filter(grads, eqx.is_array)
             arrays, momentum = _sgd_momentum(arrays, momentum, grads)
             return value, arrays, momentum
@@ -687,6 +693,7 @@ def levanter_budget_studies(s: Sizes) -> list[BudgetStudy]:
         if args is None:  # the default's arrays (the same key and shapes for every choice)
             momentum = jax.tree.map(jnp.zeros_like, parts.params)
             args, tree = (parts.params, momentum, parts.tokens), jax.tree.structure(parts.params)
+            lean = functools.partial(train_step, wrap=jaxmem.optimize)
         else:  # its tree holds its config (gradient_checkpointing): the default's arrays in it
             own = jax.tree.structure(parts.params)
             shapes = [(x.shape, x.dtype) for x in jax.tree.leaves(parts.params)]
@@ -702,19 +709,19 @@ def levanter_budget_studies(s: Sizes) -> list[BudgetStudy]:
         f"V={s.vocab} B={s.batch} S={s.seq}, scan_layers, f32; compute_next_token_loss, "
         "eqx.filter_value_and_grad, SGD-momentum update, one jitted step"
     )
-    return [BudgetStudy("levanter llama", description, steps, args)]
+    return [BudgetStudy("levanter llama", description, steps, args, written_lean=lean)]
 
 
 def maxtext_budget_studies(s: Sizes) -> list[BudgetStudy]:
     """MaxText's llama2 decoder, a train step per ``remat_policy`` (``full``, its default,
     first): ``jax.value_and_grad`` of its pre-training loss w.r.t. ``nnx.Param``, then
     SGD-momentum."""
-    steps, args, mesh = {}, None, None
+    steps, args, mesh, lean = {}, None, None, None
     for policy in MAXTEXT_POLICIES:
         loss, (params, rest, data), mesh_p, _ = _maxtext_parts(s, policy, compile_cache=False)
 
-        def train_step(params, momentum, rest, data, loss=loss):
-            value, grads = jax.value_and_grad(loss)(params, rest, data)
+        def train_step(params, momentum, rest, data, loss=loss, wrap=lambda f: f):
+            value, grads = jax.value_and_grad(wrap(loss))(params, rest, data)
             params, momentum = _sgd_momentum(params, momentum, grads)
             return value, params, momentum
 
@@ -722,11 +729,13 @@ def maxtext_budget_studies(s: Sizes) -> list[BudgetStudy]:
         if args is None:
             momentum = jax.tree.map(jnp.zeros_like, params)
             args, mesh = (params, momentum, rest, data), mesh_p
+            lean = functools.partial(train_step, wrap=jaxmem.optimize)
     description = (
         f"MaxText llama2 decoder (NNX), {s}, scan_layers, f32; train loss_fn, "
         "jax.value_and_grad w.r.t. nnx.Param, SGD-momentum update, one jitted step"
     )
-    return [BudgetStudy("maxtext llama2", description, steps, args, lambda: jax.set_mesh(mesh))]
+    context = lambda: jax.set_mesh(mesh)
+    return [BudgetStudy("maxtext llama2", description, steps, args, context, written_lean=lean)]
 
 
 BUDGET_BUILDERS = {"maxtext": maxtext_budget_studies, "levanter": levanter_budget_studies}
@@ -786,6 +795,17 @@ def budget_study(
         want = programs[study.default](*args)
         out["policy_spread"] = max(largest_error(p(*args), want) for p in programs.values())
         own = {k: p for k, p in out["policies"].items() if "peak" in p}
+        if study.written_lean is not None:
+            say("optimize(step) without a budget, and the step around optimize(loss)")
+            try:
+                out["no_budget"] = row = _no_budget_study(study, want)
+            except Exception:  # noqa: BLE001 - recorded
+                out["failures"].append(f"optimize(step): exception\n{traceback.format_exc()}")
+            else:
+                if row["temp"] > NO_BUDGET_RATIO * row["loss_form_temp"] + NO_BUDGET_BYTES:
+                    out["failures"].append(f"optimize(step): temp above the loss form's: {row}")
+                if row["error"] > BUDGET_ERROR_BAR:
+                    out["failures"].append(f"optimize(step): output error {row['error']:.3e}")
         for b in _budgets([p["peak"] for p in own.values()]):
             fit = [p["flops"] for p in own.values() if p["peak"] <= b]
             row: dict[str, Any] = {"budget": b, "least_policy_flops": min(fit) if fit else None}
@@ -845,6 +865,33 @@ def budget_study(
             except Exception:  # noqa: BLE001 - recorded
                 out["failures"].append(f"objective='time': exception\n{traceback.format_exc()}")
     return out
+
+
+# jaxmem.optimize(step) without a budget: its temp within this of the same step written around
+# jaxmem.optimize(loss) (what catching the step's own differentiation must reach).
+NO_BUDGET_RATIO, NO_BUDGET_BYTES = 1.02, 16 * 1024
+
+
+def _no_budget_study(study: BudgetStudy, want) -> dict[str, Any]:
+    """``jaxmem.optimize(default step)``: its compiled temp against the default step written
+    around ``jaxmem.optimize(loss)`` and against the step as written, and its outputs' largest
+    error against the step's."""
+    from benchmarks.budget import largest_error  # noqa: PLC0415
+
+    temp = lambda c: c.memory_analysis().temp_size_in_bytes
+    compiled = {
+        k: jax.jit(f).lower(*study.args).compile()
+        for k, f in (
+            ("ours", jaxmem.optimize(study.steps[study.default])),
+            ("loss_form", study.written_lean),
+            ("stock", study.steps[study.default]),
+        )
+    }
+    ours, loss_form, stock = (temp(compiled[k]) for k in ("ours", "loss_form", "stock"))
+    return dict(
+        temp=ours, loss_form_temp=loss_form, stock_temp=stock, ratio=ours / loss_form,
+        error=largest_error(compiled["ours"](*study.args), want),
+    )  # fmt: skip
 
 
 def _time_study(study: BudgetStudy, programs: dict, own: dict, rounds: int) -> dict[str, Any]:
@@ -924,6 +971,13 @@ def format_budget_table(studies: Sequence[dict[str, Any]]) -> str:
                 f"{p['flops'] / 1e9:8.4f} GFLOPs, {ratio} the least-FLOPs own choice that fits  "
                 f"plan {p['planning_s']:.1f} s (cached {p['planning_cached_s']:.1f} s)  "
                 f"err {p['error']:.1e}"
+            )
+        if "no_budget" in st:
+            n = st["no_budget"]
+            lines.append(
+                f"  optimize(step), no budget: temp {format_mib(n['temp'])}, {n['ratio']:.4f}x "
+                f"the step around optimize(loss) ({format_mib(n['loss_form_temp'])}), "
+                f"{n['temp'] / n['stock_temp']:.3f}x stock's; err {n['error']:.1e}"
             )
         if "time" in st:
             t = st["time"]
