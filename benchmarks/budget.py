@@ -90,11 +90,14 @@ def _sgd_momentum(params, momentum, grads):
     return jax.tree.map(lambda p, m: p - 1e-2 * m, params, momentum), momentum
 
 
-def make_step(sizes: Sizes, policy=cp.nothing_saveable, *, remat: bool = True, model="gpt"):
+def make_step(
+    sizes: Sizes, policy=cp.nothing_saveable, *, remat: bool = True, model="gpt", wrap=None
+):
     """The train step: ``(params, momentum, tokens) -> (loss, params, momentum)``. ``policy``:
     the body's ``jax.checkpoint`` policy; ``remat=False``: no ``jax.checkpoint``. ``model``:
-    one of :data:`MODELS`."""
-    return MODELS[model][0](sizes, policy if remat else None)
+    one of :data:`MODELS`. ``wrap``: applied to the loss the step differentiates (e.g.
+    ``jaxmem.optimize``: the step written around ``optimize(loss)``)."""
+    return MODELS[model][0](sizes, policy if remat else None, wrap or (lambda f: f))
 
 
 def make_args(sizes: Sizes, seed: int = 0, model="gpt"):
@@ -105,7 +108,7 @@ def make_args(sizes: Sizes, seed: int = 0, model="gpt"):
     return params, momentum, tokens
 
 
-def _gpt_step(sizes: Sizes, policy):
+def _gpt_step(sizes: Sizes, policy, wrap):
     """Plain JAX: ``lax.scan`` over stacked parameters, the body under ``jax.checkpoint``."""
 
     def block(x, p):
@@ -123,7 +126,7 @@ def _gpt_step(sizes: Sizes, policy):
         return _cross_entropy(x @ params["emb"].T, tokens)
 
     def train_step(params, momentum, tokens):
-        value, grads = jax.value_and_grad(loss)(params, tokens)
+        value, grads = jax.value_and_grad(wrap(loss))(params, tokens)
         return value, *_sgd_momentum(params, momentum, grads)
 
     return train_step
@@ -180,7 +183,7 @@ def _nnx_model(sizes: Sizes, seed: int):
     return nnx.split(GPT(nnx.Rngs(seed)))
 
 
-def _nnx_step(sizes: Sizes, policy):
+def _nnx_step(sizes: Sizes, policy, wrap):
     """``nnx.scan`` over the stacked blocks under ``nnx.remat``, ``nnx.value_and_grad``."""
     from flax import nnx
 
@@ -196,7 +199,7 @@ def _nnx_step(sizes: Sizes, policy):
         return _cross_entropy(model.emb.attend(x), tokens)
 
     def train_step(state, momentum, tokens):
-        value, grads = nnx.value_and_grad(loss)(nnx.merge(graphdef, state), tokens)
+        value, grads = nnx.value_and_grad(wrap(loss))(nnx.merge(graphdef, state), tokens)
         return value, *_sgd_momentum(state, momentum, grads)
 
     return train_step
@@ -246,7 +249,7 @@ def _equinox_model(sizes: Sizes, seed: int):
     return eqx.partition(GPT(jax.random.key(seed)), eqx.is_array)
 
 
-def _equinox_step(sizes: Sizes, policy):
+def _equinox_step(sizes: Sizes, policy, wrap):
     """``lax.scan`` over the stacked blocks' arrays under ``eqx.filter_checkpoint``,
     ``eqx.filter_value_and_grad``."""
     import equinox as eqx
@@ -267,7 +270,7 @@ def _equinox_step(sizes: Sizes, policy):
 
     def train_step(params, momentum, tokens):
         model = eqx.combine(params, static)
-        value, grads = eqx.filter_value_and_grad(loss)(model, tokens)
+        value, grads = eqx.filter_value_and_grad(wrap(loss))(model, tokens)
         return value, *_sgd_momentum(params, momentum, eqx.filter(grads, eqx.is_array))
 
     return train_step

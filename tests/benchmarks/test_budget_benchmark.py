@@ -2,8 +2,10 @@
 
 import json
 
+import jax
 import pytest
 
+import jaxmem
 from benchmarks import budget
 
 
@@ -42,3 +44,19 @@ def test_framework_models_step_as_the_plain_one(model):
     assert default[0] < none[0] and none[1] < default[1]
     assert budget.largest_error(none[2](*args), default[2](*args)) <= 1e-5
     assert float(default[2](*args)[0]) > 1.0  # the cross-entropy of random tokens
+
+
+@pytest.mark.parametrize("model", ["gpt", "nnx", "equinox"])
+def test_optimize_step_is_the_step_around_optimize_loss(model):
+    """``jaxmem.optimize(step)`` without a budget compiles to the temp of the same step written
+    around ``jaxmem.optimize(loss)`` (1.02x + 16 KiB), outputs the step's."""
+    pytest.importorskip({"gpt": "jax", "nnx": "flax", "equinox": "equinox"}[model])
+    sizes = budget.QUICK
+    args = budget.make_args(sizes, model=model)
+    step = budget.make_step(sizes, model=model)
+    temp = lambda f: jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes
+    ours = temp(jaxmem.optimize(step))
+    lean = temp(budget.make_step(sizes, model=model, wrap=jaxmem.optimize))
+    assert ours <= 1.02 * lean + 16 * 1024, (ours, lean)
+    got, want = jax.jit(jaxmem.optimize(step))(*args), jax.jit(step)(*args)
+    assert budget.largest_error(got, want) <= 1e-5
