@@ -332,7 +332,6 @@ def compile_many(
     """``jax.jit(run(setting))`` lowered at ``specs`` and compiled, for each setting, in threads
     (tracing is not thread-safe; XLA's compiles are, outside the GIL); an exception in place of
     a program that did not lower or compile. ``fast``: XLA's fast backend level on CPU."""
-    options = _planner.FAST_COMPILE if fast and jax.default_backend() == "cpu" else None
     lowered = []
     for s in cands:
         try:
@@ -344,7 +343,7 @@ def compile_many(
         if isinstance(low, Exception):
             return low
         try:
-            return low.compile(options) if options else low.compile()
+            return _jc.compile_to_measure(low) if fast else low.compile()
         except Exception as e:  # noqa: BLE001 - recorded as the trial's error
             return e
 

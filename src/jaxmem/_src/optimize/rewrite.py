@@ -56,19 +56,17 @@ class Rewriter:
     rewrite: bool = True
     only: int | None = None
     on_found: Callable[[Found], None] | None = None  # called with each scan outside any step
-    # What a scan's step does with its own ``jax.checkpoint`` (a framework's remat): "keep" it,
-    # or "drop" it (the step runs as written without it; the scan's ``policy`` option, if any,
-    # then decides what its gradient recomputes).
-    step_remat: str = "keep"
-    # How a rewritten scan runs: "jaxmem" (jaxmem.scan, the lean residuals) or "lax"
-    # (lax.scan over the re-evaluated step, under ``jax.checkpoint`` of the options' policy).
-    loop: str = "jaxmem"
     # Name each value of a scan's step by its op kind (op_kind: "matmul_0", "norm_statistic_1",
     # ...), for a planner's choice of what to keep in a program that names none.
     op_names: bool = False
-    # Per outermost scan: ``decide(found) -> (loop, step_remat, options)`` in place of the fields
-    # (``loop`` may be "as written": the scan bound as it is); the scans nested in its step
-    # follow its decision. None: the fields for every scan.
+    # Per outermost scan: ``decide(found) -> (loop, step_remat, options)``; the scans nested in
+    # its step follow its decision. ``loop``: how it runs, "jaxmem" (jaxmem.scan, the lean
+    # residuals), "lax" (lax.scan over the re-evaluated step, under ``jax.checkpoint`` of the
+    # options' policy) or "as written" (bound as it is). ``step_remat``: what its step does
+    # with its own ``jax.checkpoint`` (a framework's remat), "keep" it or "drop" it (the step
+    # runs without it; the options' ``policy``, if any, then decides what the gradient
+    # recomputes). ``options(found)``: the keyword arguments of the loop. None: ("jaxmem",
+    # "keep", ``options``) for every scan.
     decide: Callable[[Found], tuple[str, str, Callable]] | None = None
     _kinds: dict = dataclasses.field(default_factory=dict)  # op kind -> values named so far
     _now: tuple | None = None  # the decision of the scan whose step is being evaluated
@@ -107,8 +105,7 @@ class Rewriter:
                 params["policy"],
                 params["prevent_cse"],
             )
-            step_remat = self._now[1] if self._now is not None else self.step_remat
-            if step_remat == "drop" and self._depth > 0:
+            if self._depth > 0 and self._now is not None and self._now[1] == "drop":
                 return list(self._sub(jaxpr)(*invals))
             # jax.checkpoint takes one prevent_cse; remat3 may stage one per input (any: kept).
             prevent_cse = prevent_cse if isinstance(prevent_cse, bool) else any(prevent_cse)
@@ -178,7 +175,7 @@ class Rewriter:
         elif self._now is not None:  # nested in a decided scan's step: its decision
             decision.append(self._now)
         else:
-            decision.append((self.loop, self.step_remat, self.options))
+            decision.append(("jaxmem", "keep", self.options))
         loop, _, options_of = decision[0]
         if loop == "as written":
             return as_it_is()

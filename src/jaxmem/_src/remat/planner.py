@@ -63,7 +63,6 @@ PRESETS = ("nothing", "dots_no_batch", "dots", "selective", "everything")
 _MIN_COMPILES = 3  # no remat, save every name, save nothing
 _PATIENCE = 4  # The greedy stops after this many compiles that found nothing cheaper.
 _FAST_COMPILE = _jc.FAST_COMPILE  # the same figures as a default compile, faster
-FAST_COMPILE = _FAST_COMPILE  # for the other units that compile to measure
 
 
 def _offload_measurable() -> bool:
