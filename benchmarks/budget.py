@@ -37,9 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxmem
-from benchmarks.harness import format_mib
-from jaxmem._src.optimize.budget import peak_bytes
-from jaxmem._src.remat.flops import _flops as flops_of
+from benchmarks.harness import compiled_flops, format_mib
 
 MiB = 2**20
 
@@ -287,7 +285,7 @@ MODELS = {
 def compiled_figures(fn, args) -> tuple[int, float, object]:
     """Peak bytes and FLOPs of ``jax.jit(fn)`` compiled in full at ``args``, and the program."""
     comp = jax.jit(fn).lower(*args).compile()
-    return peak_bytes(comp), flops_of(comp), comp
+    return jaxmem.peak_bytes(comp), compiled_flops(comp), comp
 
 
 def largest_error(a, b) -> float:

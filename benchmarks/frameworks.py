@@ -759,7 +759,6 @@ def budget_study(
     import traceback  # noqa: PLC0415
 
     from benchmarks.budget import compiled_figures, largest_error  # noqa: PLC0415
-    from jaxmem._src.optimize import budget as _budget_mod  # noqa: PLC0415
 
     def say(text: str) -> None:
         if progress:
@@ -815,7 +814,7 @@ def budget_study(
                 # Cold: jaxmem shares the measured settings between optimize(fn, budget=...) of
                 # one function (budget._MEASURED), so that another budget's plan is a cache hit;
                 # planning_s is with the cache emptied, planning_cached_s a second plan's.
-                getattr(_budget_mod, "_MEASURED", {}).clear()
+                jaxmem.clear_caches()
                 opt = jaxmem.optimize(study.steps[study.default], budget=b)
                 t = time.perf_counter()
                 plan = opt.budget_plan(*args)

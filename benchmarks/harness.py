@@ -15,7 +15,7 @@ Every variant figure is also given as a ratio to the stock figure of the same ru
 
 This module is also the one timing loop (:func:`time_interleaved`) and the one bytes formatter
 (:func:`format_mib`: MiB, 2^20 bytes) of every benchmark (:mod:`benchmarks.losses`,
-:mod:`benchmarks.flax`).
+:mod:`benchmarks.flax_stacks`).
 """
 
 from __future__ import annotations
@@ -44,6 +44,14 @@ MIN_REPEATS = 7
 
 MIB = 2**20
 """Bytes in a MiB: the one unit of every benchmark table."""
+
+
+def compiled_flops(compiled) -> float:
+    """A compiled program's FLOPs (``cost_analysis``; older jax gives one dict per computation)."""
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        return float(sum((c or {}).get("flops", 0.0) for c in cost))
+    return float((cost or {}).get("flops", 0.0))
 
 
 def format_mib(n: float | None) -> str:

@@ -1,6 +1,6 @@
 """Flax's lm1b decoder layer stacked with ``jaxmem.flax.linen.scan`` against ``nn.scan``.
 
-The decoder layer of Flax's lm1b example (:mod:`benchmarks.lm1b_model`: pre-LN
+The decoder layer of Flax's lm1b example (:mod:`benchmarks.models.lm1b_model`: pre-LN
 ``MultiHeadDotProductAttention`` with a causal mask, relu MLP, dropout everywhere) stacked ``L``
 times, in training mode (``deterministic=False``, a ``dropout`` rng). Rows: no remat and the
 ``nothing``, ``dots`` and ``selective`` policies (:func:`jaxmem.policies.by_name`), as
@@ -25,8 +25,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from benchmarks import lm1b_model
 from benchmarks.harness import format_mib
+from benchmarks.models import lm1b_model
 from jaxmem import policies
 from jaxmem.flax import linen as jl
 

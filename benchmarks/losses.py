@@ -15,7 +15,7 @@ long on CPU).
 listing of the loss differentiated w.r.t. the trainable part only vs all parameters, and the
 compiled memory of the "full gradients leave the jit, then a masked optax update
 (``optax.multi_transform`` with ``optax.set_to_zero``) in a second jit" pattern vs one jit with
-the gradient of the trainable part only (:func:`jaxmem._src.losses.trainable.trainable`).
+the gradient of the trainable part only (:func:`jaxmem.trainable`).
 
 ``--peers`` (instead of (a) and (b)): ``linear_cross_entropy`` at its defaults against the
 naive loss, tokamax's ``chunked_xla`` at its defaults (tokamax >= 0.0.17) and jax-cce at each
@@ -76,10 +76,8 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from benchmarks.harness import MIN_REPEATS, format_mib, time_interleaved  # noqa: E402
-from jaxmem._src.listing import saved_residuals  # noqa: E402
-from jaxmem._src.losses.linear_ce import linear_cross_entropy  # noqa: E402
-from jaxmem._src.losses.linear_ce_config import default_tiles  # noqa: E402
-from jaxmem._src.losses.trainable import merge, trainable  # noqa: E402
+from jaxmem import merge, residuals, trainable  # noqa: E402
+from jaxmem.losses import default_tiles, linear_cross_entropy  # noqa: E402
 
 
 def _temp(f, *args) -> int:
@@ -490,8 +488,8 @@ def bench_selective(batch: int, width: int, layers: int = 6) -> dict[str, Any]:
     conc = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), (params, x))
     c_params, c_x = conc
     c_train, c_frozen = trainable(c_params, last)
-    full_res = saved_residuals(lambda p: loss(p, c_x), c_params)
-    sel_res = saved_residuals(lambda t: loss(merge(t, c_frozen), c_x), c_train)
+    full_res = residuals(lambda p: loss(p, c_x), c_params)
+    sel_res = residuals(lambda t: loss(merge(t, c_frozen), c_x), c_train)
     act = (batch, width)
     res: dict[str, Any] = {"batch": batch, "width": width, "layers": layers}
     res["full_residual_bytes"] = sum(r.bytes for r in full_res)

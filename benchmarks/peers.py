@@ -23,7 +23,7 @@ Cases:
    ``jax.lax.scan`` of the ``jax.checkpoint``-ed step (peer: stock remat), ``jaxmem.scan`` at
    its defaults (``recompute="auto"``) and with ``recompute="none"`` (what the cost-aware cut's
    recomputes save and cost).
-2. ``gemma <remat>``: Flax's own Gemma decoder ``Block`` (NNX; :mod:`benchmarks.gemma_block`,
+2. ``gemma <remat>``: Flax's own Gemma decoder ``Block`` (NNX; :mod:`benchmarks.models.gemma_block`,
    vendored from Flax's ``examples/gemma``) with the ``gemma_2b`` preset's attention (8 heads of
    256, one key/value head) at a small width, ``L`` blocks made with ``nnx.split_rngs`` and
    ``nnx.vmap``, stacked with ``nnx.scan`` (causal mask, ``loss = mean(out**2)``, gradient w.r.t.
@@ -317,7 +317,7 @@ def gemma_cases(sizes: Sizes) -> list[Case]:
     }
     names = [f"gemma {r}" for r in remats]
     description = f"Flax examples/gemma Block (NNX), {shape}, f32, causal; grad w.r.t. (state, x)"
-    gemma_block = _optional("benchmarks.gemma_block", "flax")
+    gemma_block = _optional("benchmarks.models.gemma_block", "flax")
     if gemma_block is None:
         return [Case(n, description, skipped="flax not installed") for n in names]
     from flax import nnx  # noqa: PLC0415 - optional, present when gemma_block imports

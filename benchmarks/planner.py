@@ -4,11 +4,11 @@ Models (both next-token cross-entropy, f32, stacks with ``policy="auto"``):
 
 - ``reference``: the GPT of :mod:`jaxmem.demo.models` (pre-LN, fused qkv, GELU MLP; the model
   the planner was developed on);
-- ``heldout``: :mod:`benchmarks.heldout_gpt`, written separately as an NNX user would (RMSNorm,
-  separate q/k/v projections, rotary embeddings, SwiGLU MLP, untied head), never used while
-  developing the planner.
+- ``heldout``: :mod:`benchmarks.models.heldout_gpt`, written separately as an NNX user would
+  (RMSNorm, separate q/k/v projections, rotary embeddings, SwiGLU MLP, untied head), never
+  used while developing the planner.
 
-For each model: the presets of :data:`jaxmem._src.remat.planner.PRESETS` are compiled *directly*
+For each model: the presets of :data:`jaxmem.policies.PRESETS` are compiled *directly*
 (the stack built with ``policy=<preset>``, not through ``"auto"``), giving each one's compiled
 gradient temp (``memory_analysis().temp_size_in_bytes``) and recompute FLOPs
 (``cost_analysis()["flops"]`` minus the no-remat gradient's). Then ``jaxmem.frontier`` plans for
@@ -48,8 +48,6 @@ import jax.numpy as jnp
 
 import jaxmem
 from benchmarks import harness
-from jaxmem._src.remat.flops import _flops
-from jaxmem._src.remat.planner import PRESETS
 
 MIB = 2**20
 
@@ -124,8 +122,8 @@ def reference(config: Config, *, layers=None, d_model=None, seq=None, batch=None
 
 
 def heldout(config: Config):
-    """The held-out NNX GPT (:mod:`benchmarks.heldout_gpt`): ``make(policy)``."""
-    from benchmarks import heldout_gpt
+    """The held-out NNX GPT (:mod:`benchmarks.models.heldout_gpt`): ``make(policy)``."""
+    from benchmarks.models import heldout_gpt
 
     cfg = heldout_gpt.HeldoutConfig(
         vocab_size=config.vocab,
@@ -152,7 +150,7 @@ MODELS: dict[str, Callable[[Config], Callable]] = {"reference": reference, "held
 def compiled_cost(loss: Callable, *args: Any) -> tuple[int, float]:
     """(temp bytes, FLOPs) of ``jax.jit(jax.grad(loss))`` compiled for ``args``."""
     c = jax.jit(jax.grad(loss)).lower(*args).compile()
-    return int(c.memory_analysis().temp_size_in_bytes), _flops(c)
+    return int(c.memory_analysis().temp_size_in_bytes), harness.compiled_flops(c)
 
 
 @dataclasses.dataclass
@@ -171,7 +169,7 @@ def run_model(name: str, make: Callable, budgets: int, max_compiles: int = 16) -
     loss, params, tokens = make(None)
     no_remat = compiled_cost(loss, params, tokens)
     presets = {}
-    for p in PRESETS:
+    for p in jaxmem.policies.PRESETS:
         loss_p, *_ = make(jaxmem.policies.by_name(p))
         temp, flops = compiled_cost(loss_p, params, tokens)
         presets[p] = (temp, flops - no_remat[1])

@@ -23,6 +23,8 @@ from jaxmem._src.optimize.api import ScanReport as ScanReport
 from jaxmem._src.optimize.api import optimize as optimize
 from jaxmem._src.optimize.budget import BudgetPlan as BudgetPlan
 from jaxmem._src.optimize.budget import BudgetTrial as BudgetTrial
+from jaxmem._src.optimize.budget import clear_caches as clear_caches
+from jaxmem._src.optimize.budget import peak_bytes as peak_bytes
 from jaxmem._src.optimize.planning import plan as plan
 from jaxmem._src.profile.buffers import Buffer as Buffer
 from jaxmem._src.profile.buffers import BufferDumpError as BufferDumpError
@@ -34,6 +36,7 @@ from jaxmem._src.profile.report import MemoryReport as MemoryReport
 from jaxmem._src.profile.report import ProfileError as ProfileError
 from jaxmem._src.profile.report import Residual as Residual
 from jaxmem._src.profile.report import profile as profile
+from jaxmem._src.profile.report import residuals_of as residuals
 from jaxmem._src.remat.frontier import Frontier as Frontier
 from jaxmem._src.remat.frontier import frontier as frontier
 from jaxmem._src.remat.names import NAMES as NAMES
@@ -86,6 +89,7 @@ __all__ = [
     "StepCounter",
     "autochunk",
     "chunked",
+    "clear_caches",
     "compare",
     "flax",
     "frontier",
@@ -94,9 +98,11 @@ __all__ = [
     "name",
     "offload",
     "optimize",
+    "peak_bytes",
     "plan",
     "policies",
     "profile",
+    "residuals",
     "reversible",
     "reversible_scan",
     "scan",

@@ -12,6 +12,7 @@ Examples:
   either(selective(), offload('decoder_layer_input'))
 """
 
+from jaxmem._src.remat.planner import PRESETS as PRESETS
 from jaxmem._src.remat.policies import ACTIONS as ACTIONS
 from jaxmem._src.remat.policies import Custom as Custom
 from jaxmem._src.remat.policies import Dots as Dots
@@ -43,6 +44,7 @@ __all__ = [
     "Nothing",
     "Offload",
     "OffloadFallbackWarning",
+    "PRESETS",
     "Policy",
     "Save",
     "Selective",

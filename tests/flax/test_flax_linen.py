@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jaxmem.policies as policies
-from benchmarks import flax as flax_bench
+from benchmarks import flax_stacks as flax_bench
 from jaxmem.demo.models import Block as GPTBlock
 from jaxmem.flax import linen as jl
 

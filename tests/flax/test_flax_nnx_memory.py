@@ -1,6 +1,6 @@
 """Memory of jaxmem.flax.nnx stacks against nnx.scan: compiled temp of the training-step gradient.
 
-The GPT-style NNX block of ``benchmarks.flax`` (pre-LN causal self-attention and a GELU MLP),
+The GPT-style NNX block of ``benchmarks.flax_stacks`` (pre-LN causal self-attention and a GELU MLP),
 L layers stacked by :class:`jaxmem.flax.nnx.ScanLayers` and by ``nnx.scan`` over the same
 ``nnx.vmap``-created stack; the gradient with respect to every parameter and the input is compiled
 for both, in the same process, and the temp bytes compared: no remat <= 0.6x, each policy <= 1.02x
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import flax as flax_bench
+from benchmarks import flax_stacks as flax_bench
 
 SIZES = (4, 2, 16, 32, 4, 128)  # L, B, S, D, H, F
 

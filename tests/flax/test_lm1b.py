@@ -1,5 +1,6 @@
-"""jaxmem.flax.linen.scan against nn.scan on Flax's lm1b decoder layer (benchmarks.lm1b_model):
-the same params init, outputs, gradients and dropout rng streams; and the lm1b memory benchmark."""
+"""jaxmem.flax.linen.scan against nn.scan on Flax's lm1b decoder layer
+(benchmarks.models.lm1b_model): the same params init, outputs, gradients and dropout rng
+streams; and the lm1b memory benchmark."""
 
 import json
 
@@ -9,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import lm1b, lm1b_model
+from benchmarks import lm1b
+from benchmarks.models import lm1b_model
 from jaxmem.flax import linen as jl
 
 L, B, S, EMB = 3, 2, 4, 8

@@ -15,7 +15,8 @@ from flax import nnx
 
 import jaxmem
 from benchmarks import budget as budget_bench
-from benchmarks import gemma_block, lm1b
+from benchmarks import lm1b
+from benchmarks.models import gemma_block
 from jaxmem.flax import nnx as jn
 
 KIB16 = 16 * 1024

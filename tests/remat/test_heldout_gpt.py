@@ -1,4 +1,5 @@
-"""The held-out NNX GPT (benchmarks/heldout_gpt.py): names, plans keep gradients, sane loss."""
+"""The held-out NNX GPT (benchmarks/models/heldout_gpt.py): names, plans keep gradients, sane
+loss."""
 
 import math
 
@@ -12,7 +13,7 @@ import jaxmem
 pytest.importorskip("flax")
 from flax import nnx  # noqa: E402
 
-from benchmarks.heldout_gpt import HeldoutConfig, HeldoutGPT, make_loss  # noqa: E402
+from benchmarks.models.heldout_gpt import HeldoutConfig, HeldoutGPT, make_loss  # noqa: E402
 
 CFG = HeldoutConfig(vocab_size=64, seq_len=16, num_layers=2, d_model=32, num_heads=2, d_ff=64)
 NO_REMAT = jaxmem.Plan(save=frozenset(), no_remat=True)

@@ -154,7 +154,7 @@ def test_plan_json_round_trip_and_str(gpt):
 
 
 # ---------------------------------------------------------------------------------------------
-# The held-out GPT (benchmarks.heldout_gpt: Flax NNX, RMSNorm, separate q/k/v, RoPE, SwiGLU),
+# The held-out GPT (benchmarks.models.heldout_gpt: Flax NNX, RMSNorm, separate q/k/v, RoPE, SwiGLU),
 # written apart from the planner.
 
 

@@ -32,7 +32,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxmem
-from jaxmem._src.profile import report as _profile
 from jaxmem.demo import models, plots
 
 DEFAULT_OUTPUT = "demo_memory.png"
@@ -216,7 +215,7 @@ def measure(
     return jaxmem.Comparison(
         {
             label: dataclasses.replace(
-                report, residuals=_profile.residuals_of(losses[label], params, tokens)
+                report, residuals=jaxmem.residuals(losses[label], params, tokens)
             )
             for label, report in grads.reports.items()
         }

@@ -24,8 +24,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+import jaxmem
 from jaxmem import policies
-from jaxmem._src.listing import saved_residuals
 from jaxmem.demo import models
 
 
@@ -95,7 +95,7 @@ def block_residual_bytes(
 
     total = sum(
         r.bytes
-        for r in saved_residuals(loss, x, params)
+        for r in jaxmem.residuals(loss, x, params)
         if r.origin != "argument" and r.shape[:1] == (layers,)
     )
     return total / layers

@@ -309,7 +309,16 @@ def _ratio(a: float, b: float) -> str:
 
 
 def peak_bytes(compiled) -> int:
-    """A compiled program's peak: temp + arguments + outputs - aliased (per device)."""
+    """A compiled program's peak: temp + arguments + outputs - aliased (per device).
+
+    What ``optimize(fn, budget=B)`` keeps at or under ``B``; public as ``jaxmem.peak_bytes``.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, jaxmem
+        >>> compiled = jax.jit(lambda x: x * 2).lower(jnp.ones(4)).compile()
+        >>> jaxmem.peak_bytes(compiled) >= 32  # the 16-byte argument and output, at least
+        True
+    """
     m = compiled.memory_analysis()
     return int(
         m.temp_size_in_bytes
@@ -393,6 +402,18 @@ def measure(
 # entry lives.
 _MEASURED: collections.OrderedDict = collections.OrderedDict()
 _MEASURED_SIZE = 32
+
+
+def clear_caches() -> None:
+    """Forget the budget planner's measured settings, as :func:`jax.clear_caches` does JAX's.
+
+    The next ``optimize(fn, budget=...)`` measures again (what a cold start costs).
+
+    Examples:
+        >>> import jaxmem
+        >>> jaxmem.clear_caches()
+    """
+    _MEASURED.clear()
 
 
 def _cached(fn: Callable, full: tuple, compute: Callable[[], tuple]) -> tuple:

@@ -610,7 +610,14 @@ def _sorted_residuals(listing) -> tuple[Residual, ...]:
 def residuals_of(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Residual, ...]:
     """The saved-residual listing of a scalar loss, as :attr:`MemoryReport.residuals` holds it.
 
-    Traces only (no compile). For callers that want the listing without the compiled figures.
+    Traces only (no compile): :func:`profile`'s listing without its compiled figures. Public as
+    ``jaxmem.residuals``.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import jaxmem
+        >>> [(r.shape, r.origin) for r in jaxmem.residuals(lambda x: jnp.sin(x).sum(), jnp.ones(3))]
+        [((3,), 'other')]
     """
     return _sorted_residuals(saved_residuals(fn, *args, **kwargs))
 

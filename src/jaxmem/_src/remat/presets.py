@@ -41,7 +41,8 @@ def by_name(policy_name: str) -> Policy:
 
     Presets: ``"nothing"``, ``"everything"``, ``"dots"``, ``"dots_no_batch"``, ``"selective"``
     (and jax's names for the first four, e.g. ``"dots_saveable"``). Policies with arguments
-    (:func:`save`, :func:`offload`, :func:`custom`) are built in code.
+    (:func:`save`, :func:`offload`, :func:`custom`) are built in code. ``PRESETS`` names the
+    five, in the order every planner search measures them (``"nothing"`` is full remat).
 
     Args:
       policy_name: the preset's name.

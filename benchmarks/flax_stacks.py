@@ -9,7 +9,7 @@ never run (``jax.ShapeDtypeStruct`` arguments). The NNX rows: a GPT-style NNX bl
 ``nnx.scan`` over the same layers (``nnx.remat(policy=...)`` in each step for the policy rows).
 Bytes in MiB (2^20), as every benchmark.
 
-Usage: ``python -m benchmarks.flax [--json PATH] [--small]``.
+Usage: ``python -m benchmarks.flax_stacks [--json PATH] [--small]``.
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ def _print_rows(rows: list[dict], stock: str, ours: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Prints the table; ``--json PATH`` writes it."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.flax", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.flax_stacks", description=__doc__)
     parser.add_argument("--json", help="write the figures to this path")
     parser.add_argument("--small", action="store_true", help="a tiny model (for tests)")
     args = parser.parse_args(argv)
