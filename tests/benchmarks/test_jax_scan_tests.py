@@ -1,4 +1,4 @@
-"""benchmarks.jax_scan_tests: the patch of JAX's test file and the reading of pytest's output.
+"""tools.jax_scan_tests: the patch of JAX's test file and the reading of pytest's output.
 
 Running JAX's tests needs JAX's repository (its test file is not on PyPI); the README gives the
 count measured with it. Here: the list of scan implementations is replaced, whatever it holds,
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import jax_scan_tests as harness
+from tools import jax_scan_tests as harness
 
 SAMPLE = """import x
 

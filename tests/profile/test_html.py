@@ -27,12 +27,12 @@ import numpy as np
 import pytest
 
 import jaxmem
-from benchmarks.viewer_screenshot import BROWSERS, CONSOLE, FLAGS
 from jaxmem import __main__ as cli
 from jaxmem._src import plots
 from jaxmem._src.format import format_bytes
 from jaxmem._src.profile.timeline import group_label
 from tests.profile import profile_targets
+from tools.viewer_screenshot import BROWSERS, CONSOLE, FLAGS
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -210,7 +210,7 @@ def test_cli_html_writes_the_viewer_next_to_the_plots(tmp_path, capsys, monkeypa
 # --------------------------------------------------------------------------------------------
 # In a browser: headless Chromium
 
-# The flags and the console pattern are the screenshot script's (benchmarks/viewer_screenshot.py).
+# The flags and the console pattern are the screenshot script's (tools/viewer_screenshot.py).
 
 
 def _find_chromium() -> str:

@@ -8,7 +8,7 @@ with a buffer's details open (``#buffer=NAME``; by default the largest loop-stat
 the peak: ``jaxmem.scan``'s stack of residuals). Source paths are shown relative to the
 repository (and to ``site-packages``), so the files name no local folder.
 
-Usage: ``python -m benchmarks.viewer_screenshot [--out DIR] [--buffer NAME] [--chromium PATH]``
+Usage: ``python -m tools.viewer_screenshot [--out DIR] [--buffer NAME] [--chromium PATH]``
 (default ``--out docs/_static``). Fails, with a message, when Chromium is missing or the page
 logs anything on the browser's console.
 """
@@ -106,7 +106,7 @@ def screenshot(chromium: str, page: pathlib.Path, fragment: str, png: pathlib.Pa
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.viewer_screenshot", description=__doc__.split("\n")[0]
+        prog="python -m tools.viewer_screenshot", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--out", default=str(ROOT / "docs" / "_static"), metavar="DIR")
     parser.add_argument("--buffer", metavar="NAME", help="the buffer to open (default: see above)")

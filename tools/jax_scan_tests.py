@@ -11,7 +11,7 @@ or the file itself. The result was recorded against JAX's main branch at the com
 
 Usage::
 
-    python -m benchmarks.jax_scan_tests PATH/TO/jax [--commit cec06d11...] [-n 2]
+    python -m tools.jax_scan_tests PATH/TO/jax [--commit cec06d11...] [-n 2]
 """
 
 from __future__ import annotations
