@@ -20,14 +20,21 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_offload import lower_text, placements
-from test_scan import CASES, F32_RTOL, Rand, assert_trees_close, values_and_grads_fn
 
 import jaxmem
 from jaxmem._src.jax_compat import compile_to_measure
 from jaxmem._src.listing import saved_residuals
 from jaxmem._src.scan import schedule as schedule
 from jaxmem._src.scan.hooks import collect_plans
+from tests.helpers import (
+    F32_RTOL,
+    Rand,
+    assert_trees_close,
+    lower_text,
+    placements,
+    values_and_grads_fn,
+)
+from tests.scan.corpus import CASES
 
 # ------------------------------------------------------------------------------------------
 # The schedule.

@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_scan import assert_trees_close
 
 import jaxmem
 from jaxmem._src import jax_compat as jc
 from jaxmem._src.scan import draws
+from tests.helpers import assert_trees_close
 
 L, B, D = 5, 8, 16
 KEEP = 0.75

@@ -24,6 +24,7 @@ import jaxmem
 from jaxmem import offload
 from jaxmem._src import offload as offload_src
 from jaxmem._src.listing import saved_residuals
+from tests.helpers import assert_trees_equal, lower_text, placements
 
 L, B, D, F = 3, 2, 4, 8
 SCAN_MODES = ("residuals", "carries", "all", "names")
@@ -38,37 +39,6 @@ RECOMPUTE = "cheap"
 
 # ------------------------------------------------------------------------------------------
 # Helpers and bodies.
-
-
-def placements(text: str) -> tuple[int, int]:
-    """(# to-host, # to-device) placement annotations in a lowered module's text."""
-    return (
-        text.count('_xla_buffer_placement = "pinned_host"'),
-        text.count('_xla_buffer_placement = "device"'),
-    )
-
-
-def structs(tree):
-    """ShapeDtypeStructs (keeping concrete arrays' shardings, memory kind included)."""
-    return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
-        tree,
-    )
-
-
-def lower_text(fn, args, platform: str) -> str:
-    """The StableHLO text of ``jit(fn)`` exported for ``platform`` (no such device needed)."""
-    exported = jax.export.export(jax.jit(fn), platforms=[platform])(*structs(args))
-    return exported.mlir_module()
-
-
-def assert_trees_equal(actual, expected):
-    """Same structure, and every leaf bit-identical (dtype and shape included)."""
-    assert jax.tree.structure(actual) == jax.tree.structure(expected)
-    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
-        a, e = np.asarray(a), np.asarray(e)
-        assert a.dtype == e.dtype and a.shape == e.shape
-        assert np.array_equal(a, e), (a, e)
 
 
 def memory_kinds(tree) -> set[str]:

@@ -25,10 +25,11 @@ import pytest
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
-# The comparison rules are shared with the hand-written corpus (same directory, on sys.path).
-from test_scan import F32_RTOL, LOW_RTOL, assert_trees_close, layernorm, loop_scan
-
 import jaxmem
+
+# The comparison rules and references are the hand-written corpus's (tests/helpers.py).
+from tests.helpers import F32_RTOL, LOW_RTOL, assert_trees_close, loop_scan
+from tests.scan.corpus import layernorm
 
 T, S = 3, 3  # steps; the carry is a square [S, S] matrix, so transposes keep its shape.
 

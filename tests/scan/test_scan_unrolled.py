@@ -15,11 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import test_scan_memory as mem
 
 import jaxmem
 from jaxmem._src.jax_compat import compile_to_measure
 from jaxmem._src.scan import lean, unrolled
+from tests import random_bodies as bodies
 
 R = np.random.default_rng(0)
 
@@ -71,13 +71,13 @@ FIXED = (26,)
     [s if s in FIXED else pytest.param(s, marks=pytest.mark.sampled) for s in range(N_UNROLLED)],
 )
 def test_random_body_unrolled_whole_is_not_above_stock(seed):
-    body = dataclasses.replace(mem.draw_body(seed), unroll=True)
+    body = dataclasses.replace(bodies.draw_body(seed), unroll=True)
 
-    mem.assert_not_above_stock(
-        lambda scan: mem.make_loss(body, scan),
-        mem.arg_structs(body),
+    bodies.assert_not_above_stock(
+        lambda scan: bodies.make_loss(body, scan),
+        bodies.arg_structs(body),
         str(body),
-        mem.scans(body),
+        bodies.scans(body),
         body.value,
     )
 
