@@ -30,6 +30,7 @@ import jaxmem
 from jaxmem import __main__ as cli
 from jaxmem._src import plots
 from jaxmem._src.format import format_bytes
+from jaxmem._src.profile import html as html_page
 from jaxmem._src.profile.timeline import group_label
 from tests.profile import profile_targets
 from tools.viewer_screenshot import BROWSERS, CONSOLE, FLAGS
@@ -93,6 +94,36 @@ def test_report_page_is_one_file_with_no_network(report_page):
 
 def test_comparison_page_is_one_file_with_no_network(comparison_page):
     _assert_self_contained(comparison_page.read_text(encoding="utf-8"))
+
+
+def _node() -> str:
+    """Node's path (for ``node --check``); without it, skip, or fail where ``CI`` is set."""
+    found = shutil.which("node") or shutil.which("nodejs")
+    if found:
+        return found
+    message = "no node on PATH to check the viewer's scripts; install it: apt-get install nodejs"
+    if os.environ.get("CI"):
+        pytest.fail(f"{message}. CI is set, so the syntax check must run.")
+    pytest.skip(message)
+
+
+@pytest.mark.parametrize("name", [a for a in html_page.ASSETS if a.endswith(".js")])
+def test_the_viewer_scripts_parse(name, tmp_path):
+    path = tmp_path / name
+    path.write_text(html_page.asset(name), encoding="utf-8")
+    done = subprocess.run([_node(), "--check", str(path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_assets_are_package_files_that_close_no_tag_early():
+    root = pathlib.Path(html_page.__file__).parent / "assets"
+    assert sorted(p.name for p in root.iterdir()) == sorted(html_page.ASSETS)
+    for name in html_page.ASSETS:
+        text = html_page.asset(name)
+        assert text == (root / name).read_text(encoding="utf-8") and len(text) > 500
+        assert "</script" not in text.lower() and "</style" not in text.lower(), name
+    with pytest.raises(ValueError, match="unknown viewer asset 'x.js'"):
+        html_page.asset("x.js")
 
 
 def _buffer_rows(buffers):

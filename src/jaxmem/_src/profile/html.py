@@ -2,8 +2,8 @@
 
 :meth:`jaxmem.MemoryReport.to_html` and :meth:`jaxmem.Comparison.to_html` write it. The page
 loads nothing: its data is a JSON block (``<script type="application/json"
-id="jaxmem-data">``), its style (:mod:`jaxmem._src.profile.html_style`) and its script
-(vanilla JavaScript drawing inline SVG, :mod:`jaxmem._src.profile.html_script`) are inline,
+id="jaxmem-data">``), its style (``assets/viewer.css``) and its scripts (vanilla JavaScript
+drawing inline SVG, ``assets/viewer.js``; ``assets/boot.js`` shows the viewer's errors) are inline,
 and a Content-Security-Policy forbids any other source, so it opens offline, from a file or an
 attachment.
 
@@ -20,7 +20,9 @@ below :mod:`jaxmem._src.profile.report`, which imports it).
 
 from __future__ import annotations
 
+import functools
 import html
+import importlib.resources
 import json
 import math
 import os
@@ -31,13 +33,25 @@ import jax
 
 from jaxmem._src.listing import short_source
 from jaxmem._src.profile.buffers import Buffer, BufferReport
-from jaxmem._src.profile.html_script import BOOT_SCRIPT, SCRIPT
-from jaxmem._src.profile.html_style import STYLE
 from jaxmem._src.profile.timeline import group_label, stack_by_source
 
 __all__ = ["comparison_page", "comparison_view", "page", "report_page", "report_view", "write"]
 
 DATA_ID = "jaxmem-data"
+
+# The page's script and style, files of this package (checked by ``node --check`` and run in
+# headless Chromium by tests/profile/test_html.py); none holds "</script" or "</style".
+ASSETS = ("boot.js", "viewer.js", "viewer.css")
+
+
+@functools.cache
+def asset(name: str) -> str:
+    """The text of one of the viewer's :data:`ASSETS`."""
+    if name not in ASSETS:
+        raise ValueError(f"unknown viewer asset {name!r}; known: {', '.join(ASSETS)}")
+    return importlib.resources.files(__package__).joinpath("assets", name).read_text("utf-8")
+
+
 """The ``id`` of the page's JSON data block."""
 
 # The page may run its inline script and style, and show inline (data:) images; nothing else.
@@ -240,15 +254,15 @@ def page(view: Mapping[str, Any], title: str) -> str:
             '<meta name="viewport" content="width=device-width, initial-scale=1">',
             '<meta name="generator" content="jaxmem">',
             f"<title>{html.escape(title)}</title>",
-            f"<style>{STYLE}</style>",
-            f"<script>{BOOT_SCRIPT}</script>",
+            f"<style>{asset('viewer.css')}</style>",
+            f"<script>{asset('boot.js')}</script>",
             "</head>",
             "<body>",
             '<main id="app" aria-live="polite"></main>',
             '<noscript><p class="noscript">This memory viewer draws its charts and tables with '
             "JavaScript; enable it to see them.</p></noscript>",
             f'<script type="application/json" id="{DATA_ID}">{_json_for_html(data)}</script>',
-            f"<script>{SCRIPT}</script>",
+            f"<script>{asset('viewer.js')}</script>",
             "</body>",
             "</html>",
             "",

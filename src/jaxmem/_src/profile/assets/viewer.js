@@ -1,33 +1,15 @@
-r"""The memory viewer's inline scripts (:mod:`jaxmem._src.profile.html` writes them).
-
-Vanilla JavaScript (no library, nothing fetched). :data:`SCRIPT` reads the page's JSON data
-block (``id="jaxmem-data"``) and draws, for each report: cards with the totals, the live bytes
-over the program stacked by source line as inline SVG (peak marked; hover for what is live at a
-point, click to open the largest buffer of a band there, drag to zoom, double-click to zoom
-out), the live ranges of the largest buffers live at the peak, a buffer's details, the top
-contributors and a filterable table of every buffer. A source line has one colour on the whole
-page. ``#buffer=NAME`` (and ``#report=LABEL&buffer=NAME``) in the address opens that buffer's
-details on load. When done it sets ``data-viewer="ready"`` on ``<html>``.
-
-:data:`BOOT_SCRIPT` runs first and turns any error of the viewer into a visible banner (the
-browser still logs it). The texts hold no ``</script>``.
-"""
-
-BOOT_SCRIPT = r"""
-window.addEventListener("error", function (event) {
-  var box = document.getElementById("viewer-error");
-  if (!box) {
-    box = document.createElement("div");
-    box.id = "viewer-error";
-    box.className = "viewer-error";
-    (document.body || document.documentElement).prepend(box);
-  }
-  box.textContent = "The memory viewer failed: " + (event.message || "an error") +
-    ". Its data is in this file's jaxmem-data block.";
-});
-"""
-
-SCRIPT = r"""
+/*
+ * The memory viewer's script, written inline by jaxmem/_src/profile/html.py.
+ *
+ * Vanilla JavaScript (no library, nothing fetched). This script reads the page's JSON data
+ * block (``id="jaxmem-data"``) and draws, for each report: cards with the totals, the live bytes
+ * over the program stacked by source line as inline SVG (peak marked; hover for what is live at a
+ * point, click to open the largest buffer of a band there, drag to zoom, double-click to zoom
+ * out), the live ranges of the largest buffers live at the peak, a buffer's details, the top
+ * contributors and a filterable table of every buffer. A source line has one colour on the whole
+ * page. ``#buffer=NAME`` (and ``#report=LABEL&buffer=NAME``) in the address opens that buffer's
+ * details on load. When done it sets ``data-viewer="ready"`` on ``<html>``.
+ */
 (function () {
 "use strict";
 const DATA = JSON.parse(document.getElementById("jaxmem-data").textContent);
@@ -710,4 +692,3 @@ function main() {
 
 main();
 })();
-"""
