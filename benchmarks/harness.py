@@ -154,7 +154,7 @@ class Column:
       residual_bytes: Total bytes of the loss's saved-residual listing.
       residual_bytes_by_origin: The same total split by origin (argument, loop-stacked, ...).
       kept_bytes: What the backward pass keeps from the loop: ``lax.scan``'s loop-stacked
-        residuals for stock; for ``jaxmem.scan`` its plans' ``ScanPlan.stacked_bytes`` (partial
+        residuals for stock; for ``jaxmem.scan`` its plans' ``ScanResiduals.stacked_bytes`` (partial
         activations, kept carry sequences and the ys read back), summed over the loss's scans.
       time_min_s: Fastest timed step, seconds (None unless timed).
       time_median_s: Median timed step, seconds (None unless timed).

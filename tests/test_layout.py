@@ -20,7 +20,9 @@ LAYERS = {
     "offload": 1,
     "vjp_primitive": 1,
     "remat": 2,
+    "trainable": 0,
     "scan": 3,
+    "chunking": 4,
     "losses": 4,
     "reversible": 4,
     "profile": 4,
@@ -185,5 +187,99 @@ def test_the_top_of_src_holds_leaves_and_one_package_per_concern():
     packages = sorted(
         p.name for p in (ROOT / "jaxmem" / "_src").iterdir() if (p / "__init__.py").is_file()
     )
-    assert packages == ["flax", "losses", "optimize", "profile", "remat", "scan"]
+    assert packages == [
+        "chunking",
+        "flax",
+        "losses",
+        "optimize",
+        "profile",
+        "remat",
+        "reversible",
+        "scan",
+    ]
     assert len(top) < 12, top  # 24 flat modules before the subpackages
+
+
+REPO = ROOT.parent
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module ``path`` imports (absolute or by bare name), at any depth."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return found
+
+
+def _test_modules_imported(root: Path) -> dict[str, list[str]]:
+    """Test modules (``test_*.py``) that another module under ``root`` imports: what tests share
+    belongs in tests/helpers.py or a helper module, not in a module pytest also runs."""
+    tests = {p.stem for p in root.rglob("test_*.py")}
+    found = {}
+    for path in root.rglob("*.py"):
+        hits = sorted(m for m in _imported_modules(path) if m.split(".")[-1] in tests or m in tests)
+        if hits:
+            found[str(path.relative_to(root))] = hits
+    return found
+
+
+def test_no_test_module_is_imported_by_another():
+    assert not _test_modules_imported(REPO / "tests")
+
+
+def test_the_test_import_check_finds_one(tmp_path):
+    (tmp_path / "test_a.py").write_text("X = 1\n")
+    (tmp_path / "test_b.py").write_text("from test_a import X\nimport tests.scan.test_a\n")
+    (tmp_path / "helpers.py").write_text("import numpy\n")
+    assert _test_modules_imported(tmp_path) == {"test_b.py": ["test_a", "tests.scan.test_a"]}
+
+
+def _src_imports(root: Path) -> dict[str, list[str]]:
+    """Modules under ``root`` that import jaxmem's private ``_src`` (code outside the library
+    uses the public face, as users do)."""
+    found = {}
+    for path in root.rglob("*.py"):
+        hits = sorted(m for m in _imported_modules(path) if m.startswith("jaxmem._src"))
+        if hits:
+            found[str(path.relative_to(root))] = hits
+    return found
+
+
+def test_benchmarks_tools_and_the_demo_use_only_the_public_face():
+    for root in (REPO / "benchmarks", REPO / "tools", ROOT / "jaxmem" / "demo"):
+        assert not _src_imports(root), root
+
+
+def test_the_src_import_check_finds_one(tmp_path):
+    (tmp_path / "m.py").write_text("def f():\n    from jaxmem._src.scan import api\n")
+    assert _src_imports(tmp_path) == {"m.py": ["jaxmem._src.scan", "jaxmem._src.scan.api"]}
+
+
+def _definitions(name: str) -> list[str]:
+    """The modules of src that define a function ``name`` at any depth."""
+    return sorted(
+        m
+        for m, path in MODULES.items()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == name
+    )
+
+
+def test_one_definition_of_the_shared_type_helpers():
+    # One is_float (jax_compat) and no private copies; array types read by jax.typeof and
+    # written by format.format_type.
+    assert _definitions("is_float") == ["jaxmem._src.jax_compat"]
+    assert _definitions("format_type") == ["jaxmem._src.format"]
+    for name in ("_is_float", "_aval", "_aval_str"):
+        assert _definitions(name) == [], name
+
+
+def test_no_module_is_named_like_a_package_it_imports():
+    # A benchmarks/flax.py shadows flax for a script run from benchmarks/.
+    for root in (REPO / "benchmarks", REPO / "tools"):
+        names = {p.stem for p in root.rglob("*.py")}
+        assert not names & {"flax", "jax", "optax", "equinox", "numpy", "jaxmem"}, root

@@ -10,13 +10,11 @@ from typing import TYPE_CHECKING as _TYPE_CHECKING
 from jaxmem import losses as losses
 from jaxmem import offload as offload
 from jaxmem import policies as policies
-from jaxmem._src.losses.autochunk import AutoChunked as AutoChunked
-from jaxmem._src.losses.autochunk import ChunkedTail as ChunkedTail
-from jaxmem._src.losses.autochunk import ChunkReport as ChunkReport
-from jaxmem._src.losses.autochunk import autochunk as autochunk
-from jaxmem._src.losses.chunking import chunked as chunked
-from jaxmem._src.losses.trainable import merge as merge
-from jaxmem._src.losses.trainable import trainable as trainable
+from jaxmem._src.chunking.autochunk import AutoChunked as AutoChunked
+from jaxmem._src.chunking.autochunk import ChunkedTail as ChunkedTail
+from jaxmem._src.chunking.autochunk import ChunkReport as ChunkReport
+from jaxmem._src.chunking.autochunk import autochunk as autochunk
+from jaxmem._src.chunking.chunked import chunked as chunked
 from jaxmem._src.optimize.api import Explanation as Explanation
 from jaxmem._src.optimize.api import Optimized as Optimized
 from jaxmem._src.optimize.api import ScanReport as ScanReport
@@ -41,11 +39,11 @@ from jaxmem._src.remat.frontier import Frontier as Frontier
 from jaxmem._src.remat.frontier import frontier as frontier
 from jaxmem._src.remat.names import NAMES as NAMES
 from jaxmem._src.remat.names import name as name
-from jaxmem._src.remat.planner import Plan as Plan
+from jaxmem._src.remat.planner import RematPlan as RematPlan
 from jaxmem._src.remat.planner import use_plan as use_plan
-from jaxmem._src.reversible import Coupling as Coupling
-from jaxmem._src.reversible import reversible as reversible
-from jaxmem._src.reversible import reversible_scan as reversible_scan
+from jaxmem._src.reversible.stack import Coupling as Coupling
+from jaxmem._src.reversible.stack import reversible as reversible
+from jaxmem._src.reversible.stack import reversible_scan as reversible_scan
 from jaxmem._src.scan.api import ForwardModeError as ForwardModeError
 from jaxmem._src.scan.api import scan as scan
 from jaxmem._src.scan.api import scan_residuals as scan_residuals
@@ -54,7 +52,9 @@ from jaxmem._src.scan.hooks import StepCounter as StepCounter
 from jaxmem._src.scan.hooks import step_counter as step_counter
 from jaxmem._src.scan.schedule import CheckpointSchedule as CheckpointSchedule
 from jaxmem._src.scan.summary import PlannedResidual as PlannedResidual
-from jaxmem._src.scan.summary import ScanPlan as ScanPlan
+from jaxmem._src.scan.summary import ScanResiduals as ScanResiduals
+from jaxmem._src.trainable import merge as merge
+from jaxmem._src.trainable import trainable as trainable
 
 if _TYPE_CHECKING:
     from jaxmem import flax as flax
@@ -80,12 +80,12 @@ __all__ = [
     "MemoryReport",
     "NAMES",
     "Optimized",
-    "Plan",
     "PlannedResidual",
     "ProfileError",
+    "RematPlan",
     "Residual",
-    "ScanPlan",
     "ScanReport",
+    "ScanResiduals",
     "StepCounter",
     "autochunk",
     "chunked",

@@ -16,7 +16,7 @@ from flax import nnx  # noqa: E402
 from benchmarks.models.heldout_gpt import HeldoutConfig, HeldoutGPT, make_loss  # noqa: E402
 
 CFG = HeldoutConfig(vocab_size=64, seq_len=16, num_layers=2, d_model=32, num_heads=2, d_ff=64)
-NO_REMAT = jaxmem.Plan(save=frozenset(), no_remat=True)
+NO_REMAT = jaxmem.RematPlan(save=frozenset(), no_remat=True)
 USED = frozenset(
     {
         "decoder_layer_input",
@@ -41,14 +41,14 @@ def auto():
 
 def test_every_name_occurs(auto):
     loss_fn, params, tokens = auto
-    jaxmem.Plan(save=USED).validate(loss_fn, params, tokens)
+    jaxmem.RematPlan(save=USED).validate(loss_fn, params, tokens)
     with pytest.raises(ValueError, match="'qkv_proj' not among"):
-        jaxmem.Plan(save=frozenset({"qkv_proj"})).validate(loss_fn, params, tokens)
+        jaxmem.RematPlan(save=frozenset({"qkv_proj"})).validate(loss_fn, params, tokens)
 
 
 PLANS = {
-    "nothing": jaxmem.Plan(save=frozenset()),
-    "middle": jaxmem.Plan(save=frozenset({"decoder_layer_input", "attention_out", "mlp_in"})),
+    "nothing": jaxmem.RematPlan(save=frozenset()),
+    "middle": jaxmem.RematPlan(save=frozenset({"decoder_layer_input", "attention_out", "mlp_in"})),
     "no_remat": NO_REMAT,
 }
 
@@ -96,7 +96,7 @@ def test_abstract_args_compile():
     assert isinstance(tokens, jax.ShapeDtypeStruct) and tokens.shape == (2, CFG.seq_len)
     leaves = jax.tree.leaves(params)
     assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
-    with jaxmem.use_plan(jaxmem.Plan(save=frozenset({"mlp_in"}))):
+    with jaxmem.use_plan(jaxmem.RematPlan(save=frozenset({"mlp_in"}))):
         out = jax.eval_shape(jax.grad(loss_fn), params, tokens)
     assert jax.tree.structure(out) == jax.tree.structure(params)
 

@@ -14,7 +14,7 @@ import jaxmem
 from jaxmem._src import checks
 from jaxmem._src.remat import auto as _auto
 
-NO_REMAT = jaxmem.Plan(no_remat=True)
+NO_REMAT = jaxmem.RematPlan(no_remat=True)
 PRESETS = ("nothing", "dots_no_batch", "dots", "selective", "everything")
 
 
@@ -138,16 +138,16 @@ def test_budget_below_reach_says_what_would_lower_it(gpt):
 
 def test_validate_lists_the_names_that_occur(gpt):
     loss, params, tokens, *_ = gpt
-    ok = jaxmem.Plan(save=frozenset({"qkv_proj"}), recompute=frozenset({"mlp_act"}))
+    ok = jaxmem.RematPlan(save=frozenset({"qkv_proj"}), recompute=frozenset({"mlp_act"}))
     assert ok.validate(loss, params, tokens) is ok
     with pytest.raises(ValueError, match="'mlpwi' not among .* attention_out, attention_probs"):
-        jaxmem.Plan(save=frozenset({"mlpwi"})).validate(loss, params, tokens)
+        jaxmem.RematPlan(save=frozenset({"mlpwi"})).validate(loss, params, tokens)
 
 
 def test_plan_json_round_trip_and_str(gpt):
     front = gpt[-1].frontier
     for p in front.plans:
-        q = jaxmem.Plan.from_json(p.to_json())
+        q = jaxmem.RematPlan.from_json(p.to_json())
         assert q == p and q.policy == p.policy
     assert "no remat at all" in str(front.plans[-1])
     assert "search:" in str(front.plans[0]) and "recomputed" in str(front.plans[0])
@@ -215,7 +215,7 @@ def test_below_full_remat_the_plan_uses_checkpoints(rnn_full):
         jaxpr = str(jax.make_jaxpr(jax.grad(_rnn_loss))(*RNN_ARGS))
     assert "checkpoint_advance" in jaxpr  # The checkpointed VJP's advance loop (a primitive).
     np.testing.assert_allclose(got, jax.grad(_rnn_stock)(*RNN_ARGS), rtol=1e-5, atol=1e-5)
-    assert jaxmem.Plan.from_json(p.to_json()).checkpoints == "sqrt"
+    assert jaxmem.RematPlan.from_json(p.to_json()).checkpoints == "sqrt"
     # The same budget as a float and as a string with a unit (KiB: 1024 bytes).
     for same in (float(lo - 1), f"{(lo - 1) / 1024!r}KiB"):
         q = jaxmem.plan(_rnn_loss, *RNN_ARGS, budget=same, presets=False, known=full.trials)
@@ -277,7 +277,7 @@ def test_a_plan_applies_to_functions_jitted_before():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "auto" outside any plan.
         outside = grad.lower(*RNN_ARGS).compile().memory_analysis().temp_size_in_bytes
-    p = jaxmem.Plan(recompute=frozenset({"mlp_act"}), checkpoints=4)
+    p = jaxmem.RematPlan(recompute=frozenset({"mlp_act"}), checkpoints=4)
     with jaxmem.use_plan(p):
         inside = grad.lower(*RNN_ARGS).compile().memory_analysis().temp_size_in_bytes
         want = jax.grad(_rnn_stock)(*RNN_ARGS)
@@ -301,20 +301,20 @@ def test_bad_input():
     with pytest.raises(ValueError, match="runs no scan and uses no checkpoint name"):
         jaxmem.plan(lambda w, xs: jnp.sum(jnp.tanh(xs @ w)), *RNN_ARGS, budget=10**6)
     with pytest.raises(ValueError, match="both saved and recomputed|in both save and recompute"):
-        jaxmem.Plan(save=frozenset({"mlp_in"}), recompute=frozenset({"mlp_in"}))
+        jaxmem.RematPlan(save=frozenset({"mlp_in"}), recompute=frozenset({"mlp_in"}))
     with pytest.raises(TypeError, match="must be a set of checkpoint names"):
-        jaxmem.Plan(save="mlp_in")
+        jaxmem.RematPlan(save="mlp_in")
     with pytest.raises(ValueError, match="unknown policy 'full'"):
-        jaxmem.Plan(preset="full")
-    with pytest.raises(TypeError, match="expected a jaxmem.Plan"):
+        jaxmem.RematPlan(preset="full")
+    with pytest.raises(TypeError, match="expected a jaxmem.RematPlan"):
         with jaxmem.use_plan(jaxmem.policies.nothing):
             pass
 
 
 def test_plan_policy_is_a_name_policy():
-    p = jaxmem.Plan(save=frozenset({"qkv_proj", "mlp_in"}), recompute=frozenset({"mlp_act"}))
+    p = jaxmem.RematPlan(save=frozenset({"qkv_proj", "mlp_in"}), recompute=frozenset({"mlp_act"}))
     assert p.policy == jaxmem.policies.save("mlp_in", "qkv_proj")
-    assert jaxmem.Plan(preset="dots").policy == jaxmem.policies.dots
+    assert jaxmem.RematPlan(preset="dots").policy == jaxmem.policies.dots
     assert NO_REMAT.policy == jaxmem.policies.everything
 
 
@@ -360,5 +360,5 @@ def test_flax_linen_stack_takes_auto():
             text = str(jax.make_jaxpr(jax.grad(loss))(params))
         return "checkpoint" in text or "remat" in text
 
-    assert prims(jaxmem.Plan(save=frozenset({"mlp_act"})))
+    assert prims(jaxmem.RematPlan(save=frozenset({"mlp_act"})))
     assert not prims(NO_REMAT)

@@ -42,7 +42,7 @@ def _float_equalities(closed):
     return [
         e
         for e in J.iter_eqns(jc.open_jaxpr(closed))
-        if e.primitive.name in ("eq", "ne") and any(J._is_float(v) for v in e.invars)
+        if e.primitive.name in ("eq", "ne") and any(jc.is_float(v) for v in e.invars)
     ]
 
 

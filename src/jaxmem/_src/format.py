@@ -7,6 +7,16 @@ from __future__ import annotations
 import math
 
 
+def format_type(shape: tuple[int, ...], dtype_name: str) -> str:
+    """An array type as JAX prints it: ``"float32[2,4]"``.
+
+    Examples:
+        >>> format_type((2, 4), "float32"), format_type((), "int32")
+        ('float32[2,4]', 'int32[]')
+    """
+    return f"{dtype_name}[{','.join(str(d) for d in shape)}]"
+
+
 def format_bytes(n: int | None) -> str:
     """Human-readable size in binary units: ``"96 B"``, ``"1.50 KiB"``, ``"2.00 MiB"``.
 

@@ -46,10 +46,25 @@ CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call", "eval_ja
 LOOP_PRIMITIVES = frozenset({"scan", "while"})
 
 
+def is_float(x: Any) -> bool:
+    """Whether ``x`` has an inexact (floating or complex) dtype: the values that have tangents.
+
+    ``x`` is an array, a Python scalar, an aval, or a jaxpr variable or literal (its ``aval``);
+    False for what has no dtype (tokens) and for extended dtypes (PRNG keys).
+    """
+    aval = getattr(x, "aval", x)
+    dtype = getattr(aval, "dtype", None)
+    if dtype is None:
+        if not isinstance(x, (bool, int, float, complex)):
+            return False
+        dtype = np.result_type(x)
+    return bool(jax.dtypes.issubdtype(dtype, np.inexact))
+
+
 # XLA:CPU assigns buffers and counts FLOPs on the optimized HLO, before LLVM compiles it, so
 # memory_analysis() and cost_analysis() do not depend on LLVM's optimization level; level 0
-# compiles faster (tests/test_optimize_budget.py and tests/scan/test_scan_unrolled.py check
-# the figures against a default compile).
+# compiles faster (tests/optimize/test_optimize_budget.py and tests/scan/test_scan_unrolled.py
+# check the figures against a default compile).
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 

@@ -28,12 +28,13 @@ from flax.core import meta
 from jax.tree_util import keystr, tree_flatten_with_path, tree_structure
 
 from jaxmem._src import checks
-from jaxmem._src import reversible as _rev
 from jaxmem._src.flax.linen import (
     _DEFAULT_SPLIT_RNGS,
     _check_length,
     _check_module_class,
 )
+from jaxmem._src.format import format_type
+from jaxmem._src.reversible import stack as _rev
 from jaxmem._src.scan.options import ScanOptions
 
 # ------------------------------------------------------------------------------------------
@@ -69,8 +70,8 @@ def _check_block_output(out: Any, want: Any, label: str, stream: str, fname: str
             f"{tree_structure(out)}"
         )
     for (path, got), exp in zip(tree_flatten_with_path(out)[0], jax.tree.leaves(want), strict=True):
-        got_aval = _aval(got.shape[lead:], got.dtype)
-        exp_aval = _aval(jnp.shape(exp), jnp.result_type(exp))
+        got_aval = format_type(got.shape[lead:], jnp.dtype(got.dtype).name)
+        exp_aval = format_type(jnp.shape(exp), jnp.result_type(exp).name)
         if got_aval != exp_aval:
             raise TypeError(
                 f"{fname}: {label} returned {got_aval}, but its result is added to stream "
@@ -78,10 +79,6 @@ def _check_block_output(out: Any, want: Any, label: str, stream: str, fname: str
                 "shapes or dtypes. Make the block return arrays like its stream (e.g. project "
                 "back to the stream's width)."
             )
-
-
-def _aval(shape: tuple, dtype: Any) -> str:
-    return f"{jnp.dtype(dtype).name}[{','.join(str(d) for d in shape)}]"
 
 
 def _check_options(policy, anchor_every, unroll, length, fname, compress=None):

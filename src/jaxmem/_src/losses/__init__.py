@@ -1,1 +1,2 @@
-"""Losses: linear cross-entropy, automatic chunking of loss tails, trainable subsets."""
+"""Losses: the linear cross-entropy (chunked over the vocabulary and tokens; vocabulary-parallel
+on a mesh)."""

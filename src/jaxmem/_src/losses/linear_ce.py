@@ -52,7 +52,7 @@ from jaxmem._src.losses.vocab_split import (
     _manual_axes,
     _psum_to,
     _resolve_vocab_split,
-    _ShardPlan,
+    _ShardProgram,
     _splits_by_sharding,
     _type_spec,
     _vary,
@@ -360,7 +360,7 @@ def _bwd_rows(cfg, x, w, b, labels, mask, lse, g_loss, g_lse, dw, db, dx_rows=No
 # nothing tells the traced function how w is laid out. XLA's partitioner knows;
 # jax.experimental.custom_partitioning hands the operands' shardings (with their mesh) to a
 # callback when the program is partitioned, and the callback returns the per-shard program
-# (vocab_split._ShardPlan reads it). The core's forward and backward passes are two such ops
+# (vocab_split._ShardProgram reads it). The core's forward and backward passes are two such ops
 # (the custom VJP stays around them): each shard runs the chunked core on its tokens and its
 # slice of the vocabulary, as the vocab_axis path does.
 
@@ -368,7 +368,7 @@ def _bwd_rows(cfg, x, w, b, labels, mask, lse, g_loss, g_lse, dw, db, dx_rows=No
 def _forward_partition(cfg, mesh, arg_shapes, result_shape):
     del result_shape
     x, w, _, _, b = arg_shapes
-    plan = _ShardPlan.read(mesh, x, w)
+    plan = _ShardProgram.read(mesh, x, w)
 
     def shard(x, w, labels, mask, b):
         with _jc.without_source_traceback():  # jax 0.10.2: see there
@@ -382,7 +382,7 @@ def _forward_partition(cfg, mesh, arg_shapes, result_shape):
 
 def _forward_infer(cfg, mesh, arg_shapes, result_shape):
     del cfg, result_shape
-    tok = _ShardPlan.read(mesh, *arg_shapes[:2]).sharding("t")
+    tok = _ShardProgram.read(mesh, *arg_shapes[:2]).sharding("t")
     return tok, tok
 
 
@@ -395,7 +395,7 @@ def _forward_rule(cfg, mesh, operands, results):
 def _backward_partition(cfg, mesh, arg_shapes, result_shape):
     del result_shape
     x, w, *_, b = arg_shapes
-    plan = _ShardPlan.read(mesh, x, w)
+    plan = _ShardProgram.read(mesh, x, w)
 
     def shard(x, w, labels, mask, lse, g_loss, g_lse, b):
         # dx is summed over the vocabulary shards tile by tile (once per row); dw and db over
@@ -417,7 +417,7 @@ def _backward_partition(cfg, mesh, arg_shapes, result_shape):
 def _backward_infer(cfg, mesh, arg_shapes, result_shape):
     del cfg, result_shape
     x, w, *_, b = arg_shapes
-    plan = _ShardPlan.read(mesh, x, w)
+    plan = _ShardProgram.read(mesh, x, w)
     return plan.sharding("t", ""), plan.sharding("", "v"), b and plan.sharding("v")
 
 

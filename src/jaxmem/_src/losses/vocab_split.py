@@ -202,7 +202,7 @@ def _sharding_dims(s, ndim: int) -> tuple:
 
 
 @dataclasses.dataclass(frozen=True)
-class _ShardPlan:
+class _ShardProgram:
     """The per-shard program of the partitioned core, read from the shardings of x and w.
 
     ``vocab``: the mesh axes w's V dimension is split over (each shard walks its slice);
@@ -215,7 +215,7 @@ class _ShardPlan:
     tokens: tuple[str, ...]
 
     @classmethod
-    def read(cls, mesh, x, w) -> _ShardPlan:
+    def read(cls, mesh, x, w) -> _ShardProgram:
         def fitting(axes, size):
             return axes if size % math.prod(mesh.shape[a] for a in axes) == 0 else ()
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from jaxmem._src import checks
 from jaxmem._src import jax_compat as _jc
-from jaxmem._src.losses import autochunk as _autochunk
+from jaxmem._src.chunking import autochunk as _autochunk
 from jaxmem._src.optimize import budget as _budget
 from jaxmem._src.optimize import intercept as _intercept
 from jaxmem._src.optimize import rewrite as _rw
@@ -36,7 +36,7 @@ class ScanReport:
       called_from: the line outside installed packages that led to the scan (the user's call
         of ``nn.scan`` say), when it differs from ``source``; else "".
       stock_bytes: the temp bytes of the gradient of the loop under ``lax.scan``, compiled
-        alone (:attr:`jaxmem.ScanPlan.compiled`): its stacked residuals and the backward step's
+        alone (:attr:`jaxmem.ScanResiduals.compiled`): its stacked residuals and the backward step's
         temporaries, as XLA schedules them. Under ``checkpoints=``, or where the loop does not
         compile alone (its types name a ``shard_map``'s manual axes), what ``lax.scan``
         stacks; None where neither is known.
@@ -187,7 +187,7 @@ class Optimized:
         op_names: bool = False,
     ):
         self._fn = fn
-        self._plan = plan  # a jaxmem.Plan applied to every scan (policy="auto"), or None
+        self._plan = plan  # a jaxmem.RematPlan applied to every scan (policy="auto"), or None
         self._op_names = op_names  # the steps' values named by op kind (rewrite.op_kind)
         self._options_key = options_key  # the options as given, for sharing a budget's trials
         self._options = options
@@ -508,7 +508,7 @@ def optimize(
         runs (docs/budget.md). :meth:`Optimized.budget_plan` shows the choice.
       objective: with ``budget``: ``"flops"`` (the fewest FLOPs; ties to the smaller peak) or
         ``"time"`` (the fastest fitting setting, timed here after an untimed run).
-      plan: a :class:`jaxmem.Plan` from :func:`jaxmem.plan` for every scan (run as
+      plan: a :class:`jaxmem.RematPlan` from :func:`jaxmem.plan` for every scan (run as
         ``policy="auto"`` stacks under it; a plan of unmodified code names the steps' values by
         op kind, as it was planned).
 
@@ -518,7 +518,7 @@ def optimize(
     Raises:
       TypeError: ``fn`` not callable, ``options`` given with any of the four options,
         ``budget`` with ``policy``, ``checkpoints`` or ``options``, ``plan`` with ``budget``,
-        ``policy``, ``checkpoints`` or ``options`` or not a Plan, ``objective`` without
+        ``policy``, ``checkpoints`` or ``options`` or not a RematPlan, ``objective`` without
         ``budget``.
       ValueError: a bad option (as :func:`jaxmem.scan` raises it), a negative or malformed
         budget, an unknown objective; at the first call, a budget no setting fits (the message
@@ -558,8 +558,8 @@ def optimize(
         choose = lambda found: dict(given)
         options_key = repr(sorted(given.items()))
     if plan is not None:
-        if not isinstance(plan, _planner.Plan):
-            raise TypeError(f"{fname}: plan must be a jaxmem.Plan, got {type(plan).__name__}")
+        if not isinstance(plan, _planner.RematPlan):
+            raise TypeError(f"{fname}: plan must be a jaxmem.RematPlan, got {type(plan).__name__}")
         if budget is not None or policy is not None or checkpoints is not None or options:
             raise TypeError(
                 f"{fname}: plan= decides each scan's policy and checkpoints; pass plan= or "

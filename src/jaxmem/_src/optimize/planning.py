@@ -1,7 +1,7 @@
 """:func:`jaxmem.plan` for unmodified code too: a loss that names no value has its scans run as
 ``policy="auto"`` stacks with each step's values named by op kind
 (:func:`~jaxmem._src.optimize.api.by_op_kind`), and the planner
-(:func:`jaxmem._src.remat.planner.plan`) chooses among those names; ``Plan.op_names`` records
+(:func:`jaxmem._src.remat.planner.plan`) chooses among those names; ``RematPlan.op_names`` records
 it, and ``jaxmem.optimize(loss, plan=p)`` names the values the same way."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from jaxmem._src.remat import planner as _planner
 
 
 @functools.wraps(_planner.plan)
-def plan(loss_fn: Callable, *args: Any, **kwargs: Any) -> _planner.Plan:
+def plan(loss_fn: Callable, *args: Any, **kwargs: Any) -> _planner.RematPlan:
     if callable(loss_fn) and not _flops.discover(loss_fn, args):
         named = _api.by_op_kind(loss_fn)
         if _flops.discover(named, args):

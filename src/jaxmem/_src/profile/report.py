@@ -26,11 +26,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxmem._src import checks
-from jaxmem._src import format as _fmt
 from jaxmem._src import plots as _plots
 from jaxmem._src.format import format_bytes
-from jaxmem._src.listing import ORIGINS, SavedResidual, saved_residuals, short_source
+from jaxmem._src.listing import ORIGINS, SavedResidual, saved_residuals
 from jaxmem._src.profile import html as _html
+from jaxmem._src.profile import report_text as _text
 from jaxmem._src.profile.buffers import (
     Buffer,
     BufferDumpError,
@@ -38,25 +38,12 @@ from jaxmem._src.profile.buffers import (
     BufferReport,
     compile_with_buffers,
 )
+from jaxmem._src.profile.report_text import MEMORY_FIELDS as _MEMORY_FIELDS
 from jaxmem._src.profile.timeline import group_label, stack_by_source
 from jaxmem._src.scan.hooks import collect_plans
-from jaxmem._src.scan.summary import ScanPlan
+from jaxmem._src.scan.summary import ScanResiduals
 
 __all__ = ["MemoryReport", "ProfileError", "Residual", "profile"]
-
-# (field name, short label) of the compiled memory figures, in display order.
-_MEMORY_FIELDS = (
-    ("temp_bytes", "temp"),
-    ("argument_bytes", "argument"),
-    ("output_bytes", "output"),
-    ("alias_bytes", "alias"),
-    ("generated_code_bytes", "generated code"),
-    ("host_temp_bytes", "host temp"),
-    ("host_argument_bytes", "host argument"),
-    ("host_output_bytes", "host output"),
-    ("host_alias_bytes", "host alias"),
-    ("host_generated_code_bytes", "host generated code"),
-)
 
 # Field of jax's CompiledMemoryStats for each MemoryReport field.
 _STATS_NAMES = {name: name.replace("_bytes", "_size_in_bytes") for name, _ in _MEMORY_FIELDS}
@@ -168,7 +155,7 @@ class MemoryReport:
         residuals: residuals of the gradient with respect to all arguments, largest first;
             None when the function does not return a scalar.
         scan_plans: for each :func:`jaxmem.scan` the gradient goes through, its
-            :class:`jaxmem.ScanPlan` (what it keeps, next to what ``lax.scan`` would stack).
+            :class:`jaxmem.ScanResiduals` (what it keeps, next to what ``lax.scan`` would stack).
         num_devices: the devices the compiled program runs on (1 unless it is sharded); the
             memory figures are per device.
         buffers: XLA's buffer assignment of the compiled function, read back
@@ -201,7 +188,7 @@ class MemoryReport:
     host_generated_code_bytes: int
     peak_bytes: int | None
     residuals: tuple[Residual, ...] | None
-    scan_plans: tuple[ScanPlan, ...] = ()
+    scan_plans: tuple[ScanResiduals, ...] = ()
     num_devices: int = 1
     buffers: BufferReport | None = dataclasses.field(default=None, repr=False)
     buffer_error: str | None = None
@@ -441,77 +428,9 @@ class MemoryReport:
         """
         return json.dumps(self.to_dict(), **json_kw)
 
-    def _memory_rows(self) -> list[list[str]]:
-        rows = [
-            [name, f"{getattr(self, name):,}", format_bytes(getattr(self, name))]
-            for name, _ in _MEMORY_FIELDS
-        ]
-        peak = self.peak_bytes
-        rows.append(["peak_bytes", "n/a" if peak is None else f"{peak:,}", format_bytes(peak)])
-        return rows
-
-    def _residual_rows(self) -> list[list[str]]:
-        return [
-            [
-                str(r.shape),
-                r.dtype,
-                f"{r.bytes:,}",
-                format_bytes(r.bytes),
-                r.origin,
-                short_source(r.source),
-                r.function,
-            ]
-            for r in self.residuals or ()
-        ]
-
-    def _totals_rows(self) -> list[list[str]]:
-        rows = [[o, f"{b:,}", format_bytes(b)] for o, b in self.residual_bytes_by_origin.items()]
-        total = self.residual_bytes or 0
-        rows.append(["total", f"{total:,}", format_bytes(total)])
-        return rows
-
-    _RES_HEADER = ["shape", "dtype", "bytes", "size", "origin", "source", "function"]
-
     def __str__(self) -> str:
         """Readable text tables: memory fields, then residuals and their totals."""
-        note = f" ({self.per_device_note})" if self.per_device_note else ""
-        parts = [
-            f"MemoryReport: {self.name}{note}",
-            _fmt.text_table(["field", "bytes", "size"], self._memory_rows(), {1, 2}),
-        ]
-        if self.residuals is None:
-            parts.append("Residuals: n/a (the function does not return a scalar)")
-        else:
-            parts.append(
-                f"Residuals saved for the gradient ({len(self.residuals)}, largest first):"
-            )
-            if self.residuals:
-                parts.append(_fmt.text_table(self._RES_HEADER, self._residual_rows(), {2, 3}))
-            parts.append("Residual totals by origin:")
-            parts.append(_fmt.text_table(["origin", "bytes", "size"], self._totals_rows(), {1, 2}))
-        parts += [f"jaxmem.scan #{i}: {plan}" for i, plan in enumerate(self.scan_plans)]
-        parts += self._peak_lines()
-        return "\n".join(parts)
-
-    def _peak_lines(self, top: int = 8) -> list[str]:
-        if self.buffers is None:
-            return [f"Live at the peak: n/a ({self.buffer_error})"]
-        b = self.buffers
-        lines = [
-            f"Live at the peak: {format_bytes(b.peak_bytes)} at program point {b.peak_index} of "
-            f"{len(b.program)} ({b.peak_instruction}); by source line:"
-        ]
-        for g in self.top_contributors(top):
-            lines.append(f"  {format_bytes(g.bytes):>11}  {group_label(g)}")
-        lines.append("largest buffers:")
-        for buf in b.peak_buffers[:top]:
-            kind = buf.kind + (" (loop state)" if buf.loop_state else "")
-            where = short_source(buf.source) if buf.source else (buf.op_name or buf.instruction)
-            shape = f"{buf.dtype}{list(buf.shape)}"
-            lines.append(f"  {format_bytes(buf.bytes):>11}  {shape:<22} {kind:<20} {where}")
-        if b.host_peak_bytes:
-            lines.append(f"host memory (offloaded values): peak {format_bytes(b.host_peak_bytes)}")
-        return lines
+        return _text.text(self)
 
     def to_markdown(self) -> str:
         """The same tables as ``str(report)``, in Markdown.
@@ -523,24 +442,7 @@ class MemoryReport:
             >>> md.splitlines()[0]
             '### MemoryReport: <lambda>'
         """
-        note = f" ({self.per_device_note})" if self.per_device_note else ""
-        parts = [
-            f"### MemoryReport: {self.name}{note}",
-            "",
-            _fmt.md_table(["field", "bytes", "size"], self._memory_rows(), {1, 2}),
-            "",
-        ]
-        if self.residuals is None:
-            parts.append("Residuals: n/a (the function does not return a scalar)")
-        else:
-            parts += [
-                f"Residuals saved for the gradient ({len(self.residuals)}, largest first):",
-                "",
-                _fmt.md_table(self._RES_HEADER, self._residual_rows(), {2, 3}),
-                "",
-                _fmt.md_table(["origin", "bytes", "size"], self._totals_rows(), {1, 2}),
-            ]
-        return "\n".join(parts) + "\n"
+        return _text.markdown(self)
 
     def plot(self, path: str | os.PathLike[str]) -> str | os.PathLike[str]:
         """Save a bar chart of where the memory goes (compiled figures, residuals by origin).
@@ -709,7 +611,7 @@ def _profile(
     peak = getattr(stats, "peak_memory_in_bytes", None)
 
     residuals = None
-    plans: list[ScanPlan] = []
+    plans: list[ScanResiduals] = []
     if _is_scalar_loss(lowered.out_info):
         # The listing traces every argument; for a jitted fn, look inside the jit so residuals
         # are attributed to the equations that produce them, not to one opaque jit call.

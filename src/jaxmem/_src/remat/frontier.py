@@ -17,7 +17,7 @@ from jaxmem._src import plots as _plots
 from jaxmem._src.remat.planner import (
     PRESETS,
     Candidate,
-    Plan,
+    RematPlan,
     _check_budget,
     _offload_measurable,
     _Search,
@@ -59,7 +59,7 @@ class Frontier:
 
     Attributes:
       points: every point, by increasing temp (unmeasurable ones last).
-      plans: the planner's :class:`Plan` for each budget of the sweep (below-reach budgets
+      plans: the planner's :class:`RematPlan` for each budget of the sweep (below-reach budgets
         skipped).
       chosen: the plan for ``frontier(budget=...)``, marked in :meth:`plot` (or None).
       baseline_flops: FLOPs of the no-remat gradient.
@@ -78,8 +78,8 @@ class Frontier:
     """
 
     points: tuple[FrontierPoint, ...]
-    plans: tuple[Plan, ...]
-    chosen: Plan | None
+    plans: tuple[RematPlan, ...]
+    chosen: RematPlan | None
     baseline_flops: float
     compiles: int
     seconds: float
@@ -228,7 +228,7 @@ def frontier(
       max_compiles: per :func:`plan` call.
       time: also measure each preset's and each plan's step time (interleaved; needs arrays).
       known: measurements to reuse, as for :func:`plan` (e.g. an earlier plan's
-        :attr:`Plan.trials`).
+        :attr:`RematPlan.trials`).
 
     Returns:
       A :class:`Frontier`.

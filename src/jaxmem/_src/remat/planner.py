@@ -147,7 +147,7 @@ class Candidate:
             elif word == "checkpoints":
                 fields["checkpoints"] = int(rest) if rest.isdigit() else rest
             else:
-                raise ValueError(f"jaxmem.Plan: unreadable trial key {key!r}")
+                raise ValueError(f"jaxmem.RematPlan: unreadable trial key {key!r}")
         return cls(**fields)
 
 
@@ -156,7 +156,7 @@ class Candidate:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class RematPlan:
     """What ``policy="auto"`` stacks do so a gradient fits a memory budget.
 
     Attributes:
@@ -184,10 +184,10 @@ class Plan:
         ``jaxmem.optimize(loss_fn, plan=p)``, which names the values the same way).
 
     Examples:
-      >>> p = Plan(save=frozenset({"mlp_in"}), recompute=frozenset({"mlp_act"}))
+      >>> p = RematPlan(save=frozenset({"mlp_in"}), recompute=frozenset({"mlp_act"}))
       >>> p.policy
       save('mlp_in')
-      >>> Plan.from_json(p.to_json()) == p
+      >>> RematPlan.from_json(p.to_json()) == p
       True
     """
 
@@ -214,16 +214,20 @@ class Plan:
         for field in ("save", "recompute", "offload"):
             value = getattr(self, field)
             if isinstance(value, str) or not all(isinstance(n, str) for n in value):
-                raise TypeError(f"Plan.{field} must be a set of checkpoint names, got {value!r}")
+                raise TypeError(
+                    f"RematPlan.{field} must be a set of checkpoint names, got {value!r}"
+                )
             object.__setattr__(self, field, frozenset(value))
         for a, b in (("save", "recompute"), ("save", "offload"), ("recompute", "offload")):
             both = getattr(self, a) & getattr(self, b)
             if both:
-                raise ValueError(f"Plan: {sorted(both)} in both {a} and {b}; give each one action")
+                raise ValueError(
+                    f"RematPlan: {sorted(both)} in both {a} and {b}; give each one action"
+                )
         if self.preset is not None:
             _presets.by_name(self.preset)  # Raises on an unknown preset, listing them.
             if self.save or self.offload:
-                raise ValueError("Plan: a preset plan takes no save/offload names")
+                raise ValueError("RematPlan: a preset plan takes no save/offload names")
         object.__setattr__(
             self, "trials", tuple((str(k), int(t), float(f)) for k, t, f in self.trials)
         )
@@ -251,7 +255,7 @@ class Plan:
         """
         return _policies.everything if self.no_remat else self.candidate.policy
 
-    def validate(self, loss_fn: Callable, *args: Any) -> Plan:
+    def validate(self, loss_fn: Callable, *args: Any) -> RematPlan:
         """Checks that the plan's names all occur in ``loss_fn`` (traced, not compiled).
 
         Args:
@@ -268,8 +272,8 @@ class Plan:
         unknown = sorted((self.save | self.recompute | self.offload) - occurring)
         if unknown:
             raise ValueError(
-                f"Plan: {', '.join(map(repr, unknown))} not among the checkpoint names loss_fn "
-                f"uses: {', '.join(sorted(occurring)) or '(none)'}."
+                f"RematPlan: {', '.join(map(repr, unknown))} not among the checkpoint names "
+                f"loss_fn uses: {', '.join(sorted(occurring)) or '(none)'}."
             )
         return self
 
@@ -287,13 +291,13 @@ class Plan:
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> Plan:
+    def from_json(cls, text: str) -> RematPlan:
         """The plan :meth:`to_json` wrote."""
         d = json.loads(text)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ValueError(f"jaxmem.Plan.from_json: unknown fields {unknown}")
+            raise ValueError(f"jaxmem.RematPlan.from_json: unknown fields {unknown}")
         d["trials"] = tuple(tuple(t) for t in d.get("trials", ()))
         return cls(**d)
 
@@ -333,34 +337,34 @@ class Plan:
 
 
 @contextlib.contextmanager
-def use_plan(plan: Plan) -> Iterator[Plan]:
+def use_plan(plan: RematPlan) -> Iterator[RematPlan]:
     """Applies ``plan`` to every ``policy="auto"`` stack traced inside the block.
 
     The plan is part of ``jax.jit``'s cache key: a function jitted before the block is traced
     again inside it (as for ``jax.default_matmul_precision``).
 
     Args:
-      plan: a :class:`Plan` (from :func:`plan` or :meth:`Plan.from_json`).
+      plan: a :class:`RematPlan` (from :func:`plan` or :meth:`RematPlan.from_json`).
 
     Yields:
       ``plan``.
 
     Raises:
-      TypeError: ``plan`` is not a :class:`Plan`.
+      TypeError: ``plan`` is not a :class:`RematPlan`.
 
     Examples:
       >>> import jax, jax.numpy as jnp, jaxmem
       >>> def loss(w, xs):
       ...     step = lambda h, x: (jnp.tanh(jaxmem.name(h * w + x, "mlp_act")), None)
       ...     return jaxmem.scan(step, jnp.zeros(4), xs, policy="auto")[0].sum()
-      >>> p = Plan(save=frozenset({"mlp_act"}))
+      >>> p = RematPlan(save=frozenset({"mlp_act"}))
       >>> with use_plan(p):
       ...     g = jax.grad(loss)(1.0, jnp.ones((3, 4)))
     """
-    if not isinstance(plan, Plan):
+    if not isinstance(plan, RematPlan):
         raise TypeError(
-            f"jaxmem.use_plan: expected a jaxmem.Plan, got {type(plan).__name__}; make one with "
-            "jaxmem.plan(loss_fn, *args, budget=...)."
+            f"jaxmem.use_plan: expected a jaxmem.RematPlan, got {type(plan).__name__}; make one "
+            "with jaxmem.plan(loss_fn, *args, budget=...)."
         )
     with _auto.use_setting(plan.candidate.setting()):
         yield plan
@@ -565,7 +569,7 @@ def plan(
     offload: bool | None = None,
     time: bool = False,
     known: Sequence[tuple[str, int, float]] = (),
-) -> Plan:
+) -> RematPlan:
     """Chooses what ``policy="auto"`` stacks do so ``loss_fn``'s gradient fits ``budget``.
 
     ``loss_fn``'s layer stacks opt in with ``policy="auto"`` (:func:`jaxmem.scan`,
@@ -574,7 +578,7 @@ def plan(
     ``policy=p.policy``. Unmodified code (``lax.scan``, no names) is planned too: its scans run
     as ``policy="auto"`` stacks with each step's values named by op kind (``matmul_0``,
     ``batched_matmul_0``, ``norm_statistic_0``, ``activation_0``, ``exponential_0``, numbered in
-    the step's order; :attr:`Plan.op_names`), and ``jaxmem.optimize(loss_fn, plan=p)`` applies
+    the step's order; :attr:`RematPlan.op_names`), and ``jaxmem.optimize(loss_fn, plan=p)`` applies
     the plan. The gradient is ``jax.grad(loss_fn, argnums)``; its temp memory is
     XLA's compile-time ``memory_analysis().temp_size_in_bytes`` (per device for sharded
     arguments) and its cost ``cost_analysis()["flops"]``. The plan is the measured candidate
@@ -592,15 +596,15 @@ def plan(
         the cheapest preset that fits).
       checkpoints: below full remat, try ``checkpoints="sqrt"`` in the stacks.
       offload: try host offload below full remat; None: where the backend can measure it (not
-        on CPU, where offload is the identity: the plan says so in :attr:`Plan.notes`).
+        on CPU, where offload is the identity: the plan says so in :attr:`RematPlan.notes`).
       time: also measure the planned gradient's step time against no remat (interleaved;
         needs arrays as arguments).
-      known: measurements to reuse instead of compiling again: the :attr:`Plan.trials` of an
+      known: measurements to reuse instead of compiling again: the :attr:`RematPlan.trials` of an
         earlier plan of the same ``loss_fn``, argument shapes and ``argnums`` (for a sweep over
         budgets). Not checked: trials of another function give a wrong plan.
 
     Returns:
-      A :class:`Plan`.
+      A :class:`RematPlan`.
 
     Raises:
       ValueError: ``budget`` is below the smallest reachable temp (the message gives it and
@@ -700,7 +704,7 @@ def plan(
         save, recompute = frozenset(), frozenset()
     else:
         save, recompute = best.save, names - best.save - best.offload
-    return Plan(
+    return RematPlan(
         save=save,
         recompute=recompute,
         offload=best.offload,

@@ -73,7 +73,7 @@ def scan_residuals(f: Callable, init: Any, xs: Any = None, length: int | None = 
         forward steps in all, bytes kept).
 
     Returns:
-      A :class:`ScanPlan`: each residual of one step with its shape, dtype, bytes and kind
+      A :class:`ScanResiduals`: each residual of one step with its shape, dtype, bytes and kind
       (``xs``/``const``/``carry``/``ys``/``recomputed``/``stacked``), what is stacked per step,
       and the total stacked bytes for the whole scan next to ``lax.scan``'s.
 
@@ -95,7 +95,7 @@ def scan_residuals(f: Callable, init: Any, xs: Any = None, length: int | None = 
 
 
 def measured_plan(f: Callable, init: Any, xs: Any = None, length: int | None = None, **kwargs):
-    """:func:`scan_residuals`' plan with :attr:`ScanPlan.compiled` for every loop that compiles
+    """:func:`scan_residuals`' plan with :attr:`ScanResiduals.compiled` for every loop that compiles
     alone (a rolled loop too: two more compilations, its gradient under ``lax.scan`` and under
     the program that runs it). What :meth:`jaxmem.Optimized.explain` reports: the stacks are
     not all that a gradient keeps (the backward step's temporaries, what XLA's schedule

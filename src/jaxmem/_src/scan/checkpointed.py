@@ -15,7 +15,9 @@ from jaxmem._src import jax_compat as _jc
 from jaxmem._src import vjp_primitive as _vjp_primitive
 from jaxmem._src.scan import residuals as _res
 from jaxmem._src.scan import schedule as _schedule
-from jaxmem._src.scan.common import (
+from jaxmem._src.scan.hooks import _tick
+from jaxmem._src.scan.trace import _Body
+from jaxmem._src.scan.vjp_parts import (
     _input_cotangents,
     _live,
     _primal_scan,
@@ -24,8 +26,6 @@ from jaxmem._src.scan.common import (
     _with_zeros,
     _zeros_ct,
 )
-from jaxmem._src.scan.hooks import _tick
-from jaxmem._src.scan.trace import _Body
 
 
 def _index(stack, i):

@@ -98,7 +98,7 @@ _PLAN_COLLECTORS: contextvars.ContextVar[tuple[list, ...]] = contextvars.Context
 
 @contextlib.contextmanager
 def collect_plans():
-    """Collects the :class:`ScanPlan` of every :func:`scan` differentiated inside the block."""
+    """Collects the :class:`ScanResiduals` of every :func:`scan` differentiated inside the block."""
     plans: list = []
     token = _PLAN_COLLECTORS.set((*_PLAN_COLLECTORS.get(), plans))
     try:

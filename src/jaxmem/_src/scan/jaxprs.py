@@ -80,15 +80,10 @@ def _cost(aval) -> int:
 _EXACT_COMPARISONS = frozenset({"eq", "ne"})
 
 
-def _is_float(v) -> bool:
-    dtype = getattr(v.aval, "dtype", None)
-    return dtype is not None and np.issubdtype(dtype, np.inexact)
-
-
 def _is_cheap(eqn) -> bool:
     name = eqn.primitive.name
     if name in _EXACT_COMPARISONS:
-        return not any(_is_float(v) for v in eqn.invars)
+        return not any(jc.is_float(v) for v in eqn.invars)
     if name in CHEAP_PRIMITIVES:
         return True
     if name == "device_put":

@@ -19,7 +19,10 @@ from jaxmem._src.scan import compress as _compress
 from jaxmem._src.scan import jaxprs as _jaxprs
 from jaxmem._src.scan import residuals as _res
 from jaxmem._src.scan import summary as _summary
-from jaxmem._src.scan.common import (
+from jaxmem._src.scan.hooks import _PLAN_COLLECTORS, _tick
+from jaxmem._src.scan.summary import ScanResiduals
+from jaxmem._src.scan.trace import _Body
+from jaxmem._src.scan.vjp_parts import (
     _has_remat,
     _input_cotangents,
     _live,
@@ -33,9 +36,6 @@ from jaxmem._src.scan.common import (
     _with_zeros,
     _zeros_ct,
 )
-from jaxmem._src.scan.hooks import _PLAN_COLLECTORS, _tick
-from jaxmem._src.scan.summary import ScanPlan
-from jaxmem._src.scan.trace import _Body
 
 
 def _pack(mask):
@@ -73,10 +73,10 @@ def _offload_masks(plan, offload, fname: str):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class _StackLayout:
     """A step's plan and where its stacks live: what the custom VJP's rules read."""
 
-    step: _res.StepPlan
+    step: _res.SplitStep
     offload_stacked: tuple[bool, ...]  # per partial activation: kept in host memory
     offload_carry: tuple[bool, ...]  # per kept carry sequence: kept in host memory
     packed: tuple[int | None, ...]  # per partial activation: a mask kept as bits (its length)
@@ -120,11 +120,11 @@ class _LeanScan:
         self.roll_backward: bool | None = None
         # Whether the step runs under jaxmem's own jax.checkpoint (scan's policy=): what its
         # remat recomputes from loop invariants is then kept in the backward loop
-        # (:func:`~jaxmem._src.scan.common._pin_invariants`), as under prevent_cse=True.
+        # (:func:`~jaxmem._src.scan.vjp_parts._pin_invariants`), as under prevent_cse=True.
         self.own_remat = False
 
     @functools.cached_property
-    def plan(self) -> _Plan:
+    def plan(self) -> _StackLayout:
         """The plan, made on first use (it depends only on the body's input types)."""
         jaxpr = self.body.jaxpr
         in_avals = [v.aval for v in _jc.open_jaxpr(jaxpr).invars]
@@ -141,9 +141,9 @@ class _LeanScan:
         packed = tuple(
             v.aval.shape[-1] if _jaxprs.packs_bits(v.aval) else None for v in step.stacked_vars
         )
-        return _Plan(step, tuple(stacked), tuple(carry), packed)
+        return _StackLayout(step, tuple(stacked), tuple(carry), packed)
 
-    def summary(self, step) -> ScanPlan:
+    def summary(self, step) -> ScanResiduals:
         return _summary.summarize(
             step, self.length, _stock_stacked_bytes(self.body, step, self.length)
         )

@@ -12,7 +12,6 @@ import jax
 from jaxmem._src import jax_compat as jc
 from jaxmem._src.scan.jaxprs import (
     _EXACT_COMPARISONS,
-    _is_float,
     _is_var,
 )
 
@@ -34,7 +33,7 @@ def _compared_choosers(jaxpr) -> set:
     compared = set()
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
-        if name in _CHOOSERS and any(_is_float(v) for v in eqn.invars):
+        if name in _CHOOSERS and any(jc.is_float(v) for v in eqn.invars):
             views[eqn.outvars[0]] = id(eqn)
             operands[id(eqn)] = {v for v in eqn.invars if _is_var(v)}
         elif name in _RESULT_VIEWS and _is_var(eqn.invars[0]) and eqn.invars[0] in views:
@@ -112,7 +111,7 @@ def _eval_pinned(jaxpr, consts: Sequence, args: Sequence) -> list:
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         if id(eqn) in compared:
-            floats = list(dict.fromkeys(v for v in eqn.invars if _is_var(v) and _is_float(v)))
+            floats = list(dict.fromkeys(v for v in eqn.invars if _is_var(v) and jc.is_float(v)))
             if floats:
                 flush()
                 env.update(

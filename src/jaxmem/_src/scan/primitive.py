@@ -39,11 +39,11 @@ from jaxmem._src.scan import options as _opts
 from jaxmem._src.scan import summary as _summary
 from jaxmem._src.scan import unrolled as _unrolled
 from jaxmem._src.scan.checkpointed import _CheckpointedScan
-from jaxmem._src.scan.common import _loop_unroll
 from jaxmem._src.scan.hooks import _PLAN_COLLECTORS
 from jaxmem._src.scan.hooks import quiet_plans as _quiet_plans
 from jaxmem._src.scan.lean import _LeanScan
 from jaxmem._src.scan.trace import _drop_forwarded, _prepare
+from jaxmem._src.scan.vjp_parts import _loop_unroll
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,10 +213,6 @@ def _custom_vjp(rules):
     return run
 
 
-def _is_float(aval) -> bool:
-    return jnp.issubdtype(aval.dtype, jnp.inexact)
-
-
 _is_zero = _jc.is_symbolic_zero
 
 
@@ -368,7 +364,7 @@ class _LinearizedScan(_jc.HiPrimitive):
         typeof = lambda tree: jax.tree.map(jax.typeof, tree)
         self.in_avals = (typeof(saved), typeof(primals), typeof(nz_tangents))
         final, ys = scan.out_aval
-        self.float_out = tuple(tuple(_is_float(a) for a in g) for g in (final, ys))
+        self.float_out = tuple(tuple(_jc.is_float(a) for a in g) for g in (final, ys))
         self.out_aval = tuple(
             tuple(a.to_tangent_aval() for a, f in zip(g, fl, strict=True) if f)
             for g, fl in zip((final, ys), self.float_out, strict=True)

@@ -241,7 +241,7 @@ def choose_stores(
 
 
 @dataclasses.dataclass(frozen=True)
-class StepPlan:
+class SplitStep:
     """The plan for one scan step: what to keep, and the three jaxprs that run it.
 
     Attributes:
@@ -398,7 +398,7 @@ def _sub_jaxpr(
 def build_jaxprs(
     traced, hoisted, stacked, stack_carry, carry_out_read, carry_from_y, carry_in_read, need_y
 ):
-    """The ``hoist``, ``forward`` and ``rebuild`` jaxprs of a plan (see :class:`StepPlan`)."""
+    """The ``hoist``, ``forward`` and ``rebuild`` jaxprs of a plan (see :class:`SplitStep`)."""
     hoist = _sub_jaxpr(traced, [traced.const_in], hoisted)
     forward = _sub_jaxpr(
         traced,
@@ -529,7 +529,7 @@ def plan_step(
     recompute: str,
     host_names: frozenset = frozenset(),
     compress: str | None = None,
-) -> StepPlan:
+) -> SplitStep:
     """Traces the VJP of one step and plans where each residual comes from.
 
     Args:
@@ -544,7 +544,7 @@ def plan_step(
         cost the cut no device bytes, so it keeps them rather than what is computed from them.
 
     Returns:
-      A :class:`StepPlan`.
+      A :class:`SplitStep`.
     """
     traced = trace_step_vjp(body, n_consts, n_carry, in_avals)
     const_only = loop_invariants(traced)
@@ -624,7 +624,7 @@ def plan_step(
         traced, hoisted, stacked, stack_carry, carry_out_read, from_y, carry_in_read, need_y
     )
     forward = pin_chooser_operands(forward)
-    return StepPlan(
+    return SplitStep(
         traced=traced,
         res_classes=classify(traced, const_only, stores, from_y),
         stacked_vars=stacked,

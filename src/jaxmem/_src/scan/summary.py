@@ -1,4 +1,4 @@
-"""The public view of a plan: each residual with its source, kind and bytes (ScanPlan, as
+"""The public view of a plan: each residual with its source, kind and bytes (ScanResiduals, as
 jaxmem.scan_residuals returns it).
 """
 
@@ -13,7 +13,7 @@ from jaxmem._src.scan.jaxprs import (
     _nbytes,
     kept_bytes,
 )
-from jaxmem._src.scan.residuals import RESIDUAL_CLASSES, StepPlan
+from jaxmem._src.scan.residuals import RESIDUAL_CLASSES, SplitStep
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +25,7 @@ class PlannedResidual:
       dtype: numpy dtype name.
       bytes: bytes of the per-step value.
       kind: one of ``"xs"``, ``"const"``, ``"carry"``, ``"ys"``, ``"recomputed"``, ``"stacked"``;
-        ``"checkpoint"`` for a carry leaf a checkpointed scan stores (``ScanPlan.stacked``).
+        ``"checkpoint"`` for a carry leaf a checkpointed scan stores (``ScanResiduals.stacked``).
       source: ``file:line (function)`` of the operation that produced it, or the input it is.
       encoding: for a value kept under ``compress``, the format it is stored in (``"bf16"``,
         ``"fp8"``, ``"int8"``; ``bytes`` is then the encoded size, scales included), else None.
@@ -48,7 +48,7 @@ class PlannedResidual:
 
 
 @dataclasses.dataclass(frozen=True)
-class ScanPlan:
+class ScanResiduals:
     """What :func:`jaxmem.scan` keeps for the backward pass of one scan, next to ``lax.scan``.
 
     Attributes:
@@ -156,7 +156,7 @@ class ScanPlan:
         return "\n".join(lines)
 
 
-def as_stock(plan: ScanPlan) -> ScanPlan:
+def as_stock(plan: ScanResiduals) -> ScanResiduals:
     """``plan`` for a loop that runs as ``lax.scan``'s own VJP (:mod:`jaxmem._src.scan.unrolled`):
     nothing of jaxmem's kept, ``lax.scan``'s bytes."""
     return dataclasses.replace(
@@ -172,14 +172,14 @@ def _var_source(eqn_of, v, role: str) -> str:
 
 
 def summarize(
-    plan: StepPlan,
+    plan: SplitStep,
     length: int,
     stock_stacked_bytes: int | None,
     schedule: Any = None,
-) -> ScanPlan:
-    """The public :class:`ScanPlan` of an analysed step (of a checkpointed scan with
+) -> ScanResiduals:
+    """The public :class:`ScanResiduals` of an analysed step (of a checkpointed scan with
     ``schedule``, a :class:`jaxmem.CheckpointSchedule`: its checkpoints are its only stack;
-    under ``compress``, each kept value with its encoded size, :attr:`StepPlan.enc_stacked`)."""
+    under ``compress``, each kept value with its encoded size, :attr:`SplitStep.enc_stacked`)."""
     jaxpr = plan.traced.jaxpr
     eqn_of = {v: e for e in jaxpr.eqns for v in e.outvars}
     role = {}
@@ -226,7 +226,7 @@ def summarize(
     )
     if schedule is not None:
         stacked = tuple(planned(v, "checkpoint") for v in plan.carry_invars)
-        return ScanPlan(
+        return ScanResiduals(
             length=length,
             residuals=residuals,
             stacked=stacked,
@@ -235,7 +235,7 @@ def summarize(
             schedule=schedule,
         )
     per_step = sum(r.bytes for r in stacked)
-    return ScanPlan(
+    return ScanResiduals(
         length=length,
         residuals=residuals,
         stacked=stacked,

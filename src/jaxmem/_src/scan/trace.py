@@ -12,11 +12,6 @@ from jaxmem._src.scan import draws as _draws
 from jaxmem._src.scan import options as _opts
 
 
-def _aval(x) -> _jc.ShapedArray:
-    """The type of ``x``: shape, dtype, weak type, sharding and varying manual axes."""
-    return jax.typeof(x)
-
-
 class _Body:
     """The traced body: a jaxpr with inputs ``(*traced_consts, *carry, *x)``."""
 
@@ -160,8 +155,8 @@ def _prepare(f, init, xs, length, fname, diff_consts=False):
     length = _opts.infer_length(xs_paths, xs_leaves, length, fname)
     init_leaves = [x if isinstance(x, _jc.Tracer) else jnp.asarray(x) for x in init_leaves]
     xs_leaves = [x if isinstance(x, _jc.Tracer) else jnp.asarray(x) for x in xs_leaves]
-    carry_avals = [_aval(x) for x in init_leaves]
-    x_avals = [_jc.unstacked(_aval(x), length) for x in xs_leaves]
+    carry_avals = [jax.typeof(x) for x in init_leaves]
+    x_avals = [_jc.unstacked(jax.typeof(x), length) for x in xs_leaves]
     body, out_avals = _trace_body(
         f, fname, init_tree, init_paths, carry_avals, xs_tree, x_avals, diff_consts
     )
@@ -173,7 +168,7 @@ def _prepare(f, init, xs, length, fname, diff_consts=False):
             )
             changed = True
     if changed:
-        carry_avals = [_aval(x) for x in init_leaves]
+        carry_avals = [jax.typeof(x) for x in init_leaves]
         body, out_avals = _trace_body(
             f, fname, init_tree, init_paths, carry_avals, xs_tree, x_avals, diff_consts
         )

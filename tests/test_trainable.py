@@ -1,4 +1,4 @@
-"""Tests of selective differentiation: jaxmem._src.losses.trainable.trainable / merge."""
+"""Tests of selective differentiation: jaxmem._src.trainable.trainable / merge."""
 
 import re
 
@@ -9,7 +9,7 @@ import optax
 import pytest
 
 from jaxmem._src.listing import saved_residuals
-from jaxmem._src.losses.trainable import merge, path_str, trainable
+from jaxmem._src.trainable import merge, path_str, trainable
 
 B = 4
 WIDTHS = (3, 5, 6, 7, 9, 10, 2)  # 6 layers, distinct widths so residual shapes name the layer

@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 from jax.tree_util import tree_unflatten
@@ -18,16 +17,12 @@ from jaxmem._src.scan import residuals as _res
 from jaxmem._src.scan.hooks import _tick
 
 
-def _is_float(aval) -> bool:
-    return jnp.issubdtype(aval.dtype, jnp.inexact)
-
-
 def _zeros_ct(aval, length=None):
     """A zero cotangent for a primal of type ``aval`` (stacked ``length`` times when given):
     its sharding and varying manual axes kept; float0 for integer and boolean values."""
     if length is not None:
         aval = _jc.stacked(aval, length)
-    if _is_float(aval):
+    if _jc.is_float(aval):
         return _jc.zeros(aval)
     return np.zeros(aval.shape, jax.dtypes.float0)
 
@@ -68,15 +63,15 @@ def _live(traced, avals, ct_final, ct_ys) -> _Live:
     is_zero = lambda ct: isinstance(ct, SymbolicZero)
     live_carry, live_in = _res.live_cotangents(
         traced,
-        [_is_float(a) and not is_zero(ct) for a, ct in zip(carry_avals, ct_final, strict=True)],
-        [_is_float(a) and not is_zero(ct) for a, ct in zip(y_avals, ct_ys, strict=True)],
+        [_jc.is_float(a) and not is_zero(ct) for a, ct in zip(carry_avals, ct_final, strict=True)],
+        [_jc.is_float(a) and not is_zero(ct) for a, ct in zip(y_avals, ct_ys, strict=True)],
     )
     n_in = len(const_avals) + len(carry_avals)
     return _Live(
-        consts=[i for i, a in enumerate(const_avals) if _is_float(a) and live_in[i]],
-        carry=[i for i, a in enumerate(carry_avals) if _is_float(a) and live_carry[i]],
-        x=[i for i, a in enumerate(x_avals) if _is_float(a) and live_in[n_in + i]],
-        y=[i for i, a in enumerate(y_avals) if _is_float(a) and not is_zero(ct_ys[i])],
+        consts=[i for i, a in enumerate(const_avals) if _jc.is_float(a) and live_in[i]],
+        carry=[i for i, a in enumerate(carry_avals) if _jc.is_float(a) and live_carry[i]],
+        x=[i for i, a in enumerate(x_avals) if _jc.is_float(a) and live_in[n_in + i]],
+        y=[i for i, a in enumerate(y_avals) if _jc.is_float(a) and not is_zero(ct_ys[i])],
     )
 
 

@@ -4,7 +4,7 @@ A value is *row-wise along axis a* when, for every row ``i`` along ``a``, its sl
 only on slice ``i`` of some inputs (the *split* inputs, each along its own axis) and on values
 that do not vary with the rows (the *parameters*). The tail of a loss that ends in
 ``reduce_sum(t)`` over the rows of a row-wise ``t`` can then run chunk by chunk
-(:mod:`jaxmem._src.losses.chunking`). This module answers the two questions that needs:
+(:mod:`jaxmem._src.chunking.chunked`). This module answers the two questions that needs:
 
 1. :func:`find_tail`: walking back from a scalar ``reduce_sum``, the largest set of equations
    whose outputs are row-wise, given per-primitive rules (``_RULES``: from the row axis of an

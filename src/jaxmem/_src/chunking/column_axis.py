@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmem._src import jax_compat as _jc
-from jaxmem._src.losses import rowwise as _rw
+from jaxmem._src.chunking import rows as _rw
 
 _MAX_TERMS = 16
 
@@ -181,7 +181,3 @@ def _reduction_kind(eqn, v, k: int, queue: list) -> str:
             queue.append((lhs, lc[list(rc).index(k)]))
             return name
     raise Refused(f"{where} mixes the columns ({_type(v)}): not a sum, max, min, gather or matmul")
-
-
-def _is_float(v) -> bool:
-    return jnp.issubdtype(v.aval.dtype, jnp.inexact)

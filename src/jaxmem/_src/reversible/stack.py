@@ -48,6 +48,7 @@ from jax.tree_util import tree_flatten, tree_map, tree_structure, tree_unflatten
 from jaxmem._src import checks
 from jaxmem._src import jax_compat as _jc
 from jaxmem._src import vjp_primitive as _vjp_primitive
+from jaxmem._src.format import format_type
 from jaxmem._src.scan import compress as _compress
 from jaxmem._src.scan.options import ScanOptions, apply_policy
 
@@ -65,16 +66,16 @@ def _fn_label(coupling: Coupling, i: int) -> str:
     return f"fns[{i}]({', '.join(args)})"
 
 
-def _aval_str(x: Any) -> str:
+def _type_str(x: Any) -> str:
     dtype = jnp.dtype(x.dtype) if hasattr(x, "dtype") else jnp.result_type(x)
-    return f"{dtype.name}[{','.join(str(d) for d in np.shape(x))}]"
+    return format_type(np.shape(x), dtype.name)
 
 
 def tree_str(tree: Any) -> str:
     leaves, treedef = tree_flatten(tree)
     if treedef == tree_structure(0):
-        return _aval_str(leaves[0])
-    return f"{treedef} of ({', '.join(_aval_str(v) for v in leaves)})"
+        return _type_str(leaves[0])
+    return f"{treedef} of ({', '.join(_type_str(v) for v in leaves)})"
 
 
 def _add(a, b):
@@ -290,9 +291,9 @@ class Coupling:
                     where = f"{_stream_name(i)}{jax.tree_util.keystr(path)}"
                     raise TypeError(
                         f"{fname}: {label} must return arrays like stream {where} "
-                        f"({_aval_str(w)}), since the coupling adds its result to that stream "
+                        f"({_type_str(w)}), since the coupling adds its result to that stream "
                         f"(a reversible layer cannot change shapes or dtypes); it returned "
-                        f"{_aval_str(g)}"
+                        f"{_type_str(g)}"
                     )
 
 

@@ -163,7 +163,7 @@ def trainable(params: Any, filter: Filter) -> tuple[Any, Any]:
       Fine-tune the last layer of a two-layer model with optax:
 
       >>> import jax, jax.numpy as jnp, optax
-      >>> from jaxmem._src.losses import trainable as tr
+      >>> from jaxmem._src import trainable as tr
       >>> params = {"layers": [{"w": jnp.ones((3, 3))}, {"w": jnp.ones((3, 2))}]}
       >>> train, frozen = tr.trainable(params, "layers/1/*")
       >>> jax.tree.map(jnp.shape, train)
@@ -232,7 +232,7 @@ def merge(trainable: Any, frozen: Any) -> Any:
       ValueError: the two parts do not have the same structure.
 
     Examples:
-      >>> from jaxmem._src.losses import trainable as tr
+      >>> from jaxmem._src import trainable as tr
       >>> t, f = tr.trainable({"a": 1.0, "b": 2.0}, "a")
       >>> t, f
       ({'a': 1.0, 'b': None}, {'a': None, 'b': 2.0})

@@ -288,10 +288,10 @@ def test_plan_on_unmodified_code_names_values_by_op_kind():
     opt = jaxmem.optimize(loss, plan=p)
     assert temp(opt) == p.measured_temp_bytes
     close(jax.grad(opt)(*args), jax.grad(loss)(*args))
-    assert jaxmem.Plan.from_json(p.to_json()) == p
+    assert jaxmem.RematPlan.from_json(p.to_json()) == p
     with pytest.raises(TypeError, match="plan="):
         jaxmem.optimize(loss, plan=p, budget="1GiB")
-    with pytest.raises(TypeError, match="plan must be a jaxmem.Plan"):
+    with pytest.raises(TypeError, match="plan must be a jaxmem.RematPlan"):
         jaxmem.optimize(loss, plan="dots")
 
 

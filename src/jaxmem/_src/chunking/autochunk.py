@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmem._src import jax_compat as _jc
-from jaxmem._src.losses import column_axis as _axis
-from jaxmem._src.losses import colwise as _cw
-from jaxmem._src.losses import rowwise as _rw
-from jaxmem._src.losses.chunking import (
+from jaxmem._src.chunking import column_axis as _axis
+from jaxmem._src.chunking import columns as _cw
+from jaxmem._src.chunking import rows as _rw
+from jaxmem._src.chunking.chunked import (
     _MIN_TILE_BYTES,
     _TARGET_TILES,
     DEFAULT_MAX_CHUNK_BYTES,

@@ -8,12 +8,12 @@ chunk. This is the AutoChunker of PyTorch Inductor, and the fused linear cross-e
 
 - :func:`chunked` does it for a function the user says is such a sum (which arguments carry the
   rows, along which axis).
-- :func:`jaxmem._src.losses.autochunk.autochunk` finds such a tail inside any loss
-  (:mod:`jaxmem._src.losses.rowwise`: the largest row-wise part that ends in a scalar
+- :func:`jaxmem._src.chunking.autochunk.autochunk` finds such a tail inside any loss
+  (:mod:`jaxmem._src.chunking.rows`: the largest row-wise part that ends in a scalar
   ``reduce_sum`` and creates an intermediate larger than a threshold), runs it chunk by chunk and
   the rest of the loss as written; where the tail's large intermediate has columns from a matmul
   by a shared weight, each chunk also runs in tiles of columns
-  (:mod:`jaxmem._src.losses.colwise`). ``.explain(*args)`` says what it chunked, or why nothing.
+  (:mod:`jaxmem._src.chunking.columns`). ``.explain(*args)`` says what it chunked, or why nothing.
 
 Both compute the gradients in the forward pass when differentiated (``jax.grad``/``jax.vjp``;
 never under plain evaluation, which only sums values), at the cost of a backward pass of the
@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmem._src import jax_compat as _jc
 from jaxmem._src import vjp_primitive as _vjp_primitive
 
 _REDUCTIONS = ("sum", "mean")
@@ -46,10 +47,6 @@ _MIN_TILE_BYTES = 2**20
 
 # ------------------------------------------------------------------------------------------
 # The loop: rows split along per-leaf axes, gradient in forward.
-
-
-def _is_float(x) -> bool:
-    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
 class _Rows:
@@ -103,8 +100,8 @@ def _sum_of_chunks(run, rows_leaves, param_leaves, n: int, size: int, fname: str
     in the forward loop and scaled by the cotangent after.
     """
     full, rem = divmod(n, size)
-    d_rows = [_is_float(a) for a in rows_leaves]
-    d_params = [_is_float(a) for a in param_leaves]
+    d_rows = [_jc.is_float(a) for a in rows_leaves]
+    d_params = [_jc.is_float(a) for a in param_leaves]
 
     def pick(leaves, mask, want):
         return [a for a, m in zip(leaves, mask, strict=True) if m == want]
@@ -178,7 +175,8 @@ def _sum_of_chunks(run, rows_leaves, param_leaves, n: int, size: int, fname: str
 
 
 class _Tiles:
-    """Chunks of rows, each in tiles of columns (:class:`jaxmem._src.losses.colwise.ColumnPlan`).
+    """Chunks of rows, each in tiles of columns
+    (:class:`jaxmem._src.chunking.columns.ColumnTiling`).
 
     The tail's jaxpr takes the row leaves then the parameters; ``plans[length]`` runs a chunk
     of ``length`` rows (None: that chunk runs whole, as :class:`_Rows` does).

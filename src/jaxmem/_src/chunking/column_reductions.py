@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmem._src import jax_compat as _jc
-from jaxmem._src.losses.column_axis import (
+from jaxmem._src.chunking.column_axis import (
     _MAX_TERMS,
     _ONE,
     Refused,

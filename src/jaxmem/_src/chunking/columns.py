@@ -1,6 +1,6 @@
 """Splitting a row-wise tail along a second axis: the columns of a large shared weight.
 
-A row-wise tail (:mod:`jaxmem._src.losses.rowwise`) often multiplies its rows by a large weight
+A row-wise tail (:mod:`jaxmem._src.chunking.rows`) often multiplies its rows by a large weight
 shared by every row (``logits = x @ w``, ``w`` of shape ``[D, V]``) and then reduces each row over
 the weight's columns: a softmax's maximum and sum, the logit at the label. Split into chunks of rows
 only, each chunk still creates ``[rows, V]`` blocks and a whole ``[D, V]`` gradient of the weight.
@@ -23,7 +23,7 @@ way:
    when ``m`` grows (the online log-sum-exp of Milakov and Gimelshein), then multiplied by
    ``exp(m - c)``. Anything else (a reduction-dependent value under a ``log``, a ``sort``,
    a cumulative sum along the columns, ...) refuses the split, with the reason.
-3. :class:`ColumnPlan` runs a chunk of rows as: the part before the column reductions (``pre``),
+3. :class:`ColumnTiling` runs a chunk of rows as: the part before the column reductions (``pre``),
    a forward sweep over column tiles that accumulates the reductions, the part after them
    (``post``), and, for the gradient, a backward sweep that recomputes each tile and pulls the
    cotangents of the reductions back into it: each tile's share of the weight's gradient is
@@ -50,10 +50,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmem._src import jax_compat as _jc
-from jaxmem._src.losses import rowwise as _rw
-from jaxmem._src.losses.column_axis import (
+from jaxmem._src.chunking import rows as _rw
+from jaxmem._src.chunking.column_axis import (
     Refused,
-    _is_float,
     _label,
     _Labels,
     _live,
@@ -62,7 +61,7 @@ from jaxmem._src.losses.column_axis import (
     _type,
     _where,
 )
-from jaxmem._src.losses.column_forms import (
+from jaxmem._src.chunking.column_reductions import (
     _KINDS,
     _Acc,
     _acc_dtype,
@@ -98,7 +97,7 @@ from jaxmem._src.losses.column_forms import (
 
 
 @dataclasses.dataclass
-class ColumnPlan:
+class ColumnTiling:
     """How one chunk of rows of a tail runs in tiles of columns (see the module docstring).
 
     Attributes:
@@ -389,8 +388,8 @@ class ColumnPlan:
         """
         split = {k for k, _ in self.sliced}
         wrt = [k for k, d in enumerate(diff) if d and k not in split]
-        outs_f = [v for v in self.pre_out if _is_float(v)]
-        outs_i = [v for v in self.pre_out if not _is_float(v)]
+        outs_f = [v for v in self.pre_out if _jc.is_float(v)]
+        outs_i = [v for v in self.pre_out if not _jc.is_float(v)]
 
         def pre(xs):
             vals = list(invals)
@@ -423,7 +422,7 @@ class ColumnPlan:
         for i, d in zip(live, dparts, strict=True):
             dstate[i] = d
 
-        fvars = [v for v in self.sweep_free if _is_float(v)]
+        fvars = [v for v in self.sweep_free if _jc.is_float(v)]
         cols = [k for k, _ in self.sliced if k < len(diff) and diff[k]]
 
         def tile_grads(tile, carry):
@@ -501,7 +500,7 @@ def _bind(eqn, env: dict):
 # Building the plan.
 
 
-def plan(closed, n_split: int) -> ColumnPlan:
+def plan(closed, n_split: int) -> ColumnTiling:
     """The column plan of a tail's flat jaxpr (:func:`trace_tail`), or :class:`Refused`.
 
     The columns come from a ``dot_general`` whose output axis is a free axis of an operand
@@ -566,11 +565,11 @@ def _diff_live(j, live) -> set:
         if not live[i] or e.primitive.name == "stop_gradient":
             continue
         if any(v in out for v in e.outvars):
-            out.update(v for v in e.invars if _jc.is_var(v) and _is_float(v))
+            out.update(v for v in e.invars if _jc.is_var(v) and _jc.is_float(v))
     return out
 
 
-def _build(closed, live, labels: _Labels, producer, n_split: int) -> ColumnPlan:
+def _build(closed, live, labels: _Labels, producer, n_split: int) -> ColumnTiling:
     j = _jc.open_jaxpr(closed)
     axis, size = labels.axis, labels.size
     cat, inner = _categories(j, live, labels)
@@ -609,7 +608,7 @@ def _build(closed, live, labels: _Labels, producer, n_split: int) -> ColumnPlan:
         (math.ceil(_jc.nbytes(v.aval) / size) for v in axis if v in producer), default=0
     )
     held = dict.fromkeys(sweep_free + [v for v in j.invars[:n_split] if v not in axis])
-    row_bytes = sum(_jc.nbytes(v.aval) * (2 if _is_float(v) else 1) for v in held)
+    row_bytes = sum(_jc.nbytes(v.aval) * (2 if _jc.is_float(v) else 1) for v in held)
     row_bytes += sum(2 * math.prod(a.out_shape) * np.dtype(a.dtype).itemsize for a in red.accs)
     reductions = tuple(
         f"{j.eqns[i].primitive.name} at {_where(j.eqns[i])}: "
@@ -619,7 +618,7 @@ def _build(closed, live, labels: _Labels, producer, n_split: int) -> ColumnPlan:
         for i in sorted(red.recipes)
     )
     sources = list(j.invars) + list(j.constvars)
-    return ColumnPlan(
+    return ColumnTiling(
         size=size,
         sliced=tuple((k, axis[v]) for k, v in enumerate(sources) if v in axis),
         reductions=reductions,
