@@ -170,10 +170,10 @@ def test_the_private_name_check_finds_one(tmp_path):
 
 
 # A module a newcomer can read in one sitting; past this, split it by concern.
-MAX_LINES = 800
+MAX_LINES = 700
 
 
-def test_no_module_is_over_800_lines():
+def test_no_module_is_over_700_lines():
     long = {
         m: n
         for m, path in MODULES.items()

@@ -39,8 +39,8 @@ from jaxmem._src.remat.frontier import Frontier as Frontier
 from jaxmem._src.remat.frontier import frontier as frontier
 from jaxmem._src.remat.names import NAMES as NAMES
 from jaxmem._src.remat.names import name as name
-from jaxmem._src.remat.planner import RematPlan as RematPlan
-from jaxmem._src.remat.planner import use_plan as use_plan
+from jaxmem._src.remat.remat_plan import RematPlan as RematPlan
+from jaxmem._src.remat.remat_plan import use_plan as use_plan
 from jaxmem._src.reversible.stack import Coupling as Coupling
 from jaxmem._src.reversible.stack import reversible as reversible
 from jaxmem._src.reversible.stack import reversible_scan as reversible_scan

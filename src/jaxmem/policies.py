@@ -12,9 +12,10 @@ Examples:
   either(selective(), offload('decoder_layer_input'))
 """
 
+from jaxmem._src.remat.custom import Custom as Custom
+from jaxmem._src.remat.custom import custom as custom
 from jaxmem._src.remat.planner import PRESETS as PRESETS
 from jaxmem._src.remat.policies import ACTIONS as ACTIONS
-from jaxmem._src.remat.policies import Custom as Custom
 from jaxmem._src.remat.policies import Dots as Dots
 from jaxmem._src.remat.policies import Either as Either
 from jaxmem._src.remat.policies import Everything as Everything
@@ -24,7 +25,6 @@ from jaxmem._src.remat.policies import OffloadFallbackWarning as OffloadFallback
 from jaxmem._src.remat.policies import Policy as Policy
 from jaxmem._src.remat.policies import Save as Save
 from jaxmem._src.remat.policies import Selective as Selective
-from jaxmem._src.remat.policies import custom as custom
 from jaxmem._src.remat.policies import dots as dots
 from jaxmem._src.remat.policies import dots_no_batch as dots_no_batch
 from jaxmem._src.remat.policies import either as either

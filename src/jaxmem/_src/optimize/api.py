@@ -18,7 +18,7 @@ from jaxmem._src.chunking import autochunk as _autochunk
 from jaxmem._src.optimize import budget as _budget
 from jaxmem._src.optimize import intercept as _intercept
 from jaxmem._src.optimize import rewrite as _rw
-from jaxmem._src.remat import planner as _planner
+from jaxmem._src.remat import remat_plan as _remat_plan
 from jaxmem._src.scan import api as _scan_api
 from jaxmem._src.scan import options as _opts
 
@@ -222,7 +222,7 @@ class Optimized:
         if self._plan is None:
             computed, (out_tree, static) = self._run(setting, args, kwargs)
         else:
-            with _planner.use_plan(self._plan):
+            with _remat_plan.use_plan(self._plan):
                 computed, (out_tree, static) = self._run(setting, args, kwargs)
         computed = iter(computed)
         n = out_tree.num_leaves
@@ -558,7 +558,7 @@ def optimize(
         choose = lambda found: dict(given)
         options_key = repr(sorted(given.items()))
     if plan is not None:
-        if not isinstance(plan, _planner.RematPlan):
+        if not isinstance(plan, _remat_plan.RematPlan):
             raise TypeError(f"{fname}: plan must be a jaxmem.RematPlan, got {type(plan).__name__}")
         if budget is not None or policy is not None or checkpoints is not None or options:
             raise TypeError(

@@ -14,10 +14,11 @@ from typing import Any
 from jaxmem._src.optimize import api as _api
 from jaxmem._src.remat import flops as _flops
 from jaxmem._src.remat import planner as _planner
+from jaxmem._src.remat.remat_plan import RematPlan
 
 
 @functools.wraps(_planner.plan)
-def plan(loss_fn: Callable, *args: Any, **kwargs: Any) -> _planner.RematPlan:
+def plan(loss_fn: Callable, *args: Any, **kwargs: Any) -> RematPlan:
     if callable(loss_fn) and not _flops.discover(loss_fn, args):
         named = _api.by_op_kind(loss_fn)
         if _flops.discover(named, args):

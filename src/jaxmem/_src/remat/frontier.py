@@ -16,14 +16,13 @@ import numpy as np
 from jaxmem._src import plots as _plots
 from jaxmem._src.remat.planner import (
     PRESETS,
-    Candidate,
-    RematPlan,
     _check_budget,
     _offload_measurable,
     _Search,
     _time_gradients,
     plan,
 )
+from jaxmem._src.remat.remat_plan import Candidate, RematPlan
 
 
 @dataclasses.dataclass(frozen=True)
