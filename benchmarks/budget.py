@@ -28,7 +28,6 @@ import dataclasses
 import functools
 import json
 import pathlib
-import statistics
 import time
 from collections.abc import Sequence
 
@@ -37,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxmem
-from benchmarks.harness import compiled_flops, format_mib
+from benchmarks.harness import compiled_flops, format_mib, time_interleaved
 
 MiB = 2**20
 
@@ -307,19 +306,6 @@ def budgets(policies: dict, lean_peak: int) -> list[int]:
     return sorted({*out, int(lean_peak * 1.01)})
 
 
-def _paired_times(fa, fb, args, rounds: int) -> tuple[float, float]:
-    """Median seconds of two compiled programs, A A B B in each round after a warm run."""
-    ta, tb = [], []
-    jax.block_until_ready(fa(*args))
-    jax.block_until_ready(fb(*args))
-    for _ in range(rounds):
-        for f, out in ((fa, ta), (fa, ta), (fb, tb), (fb, tb)):
-            t = time.perf_counter()
-            jax.block_until_ready(f(*args))
-            out.append(time.perf_counter() - t)
-    return statistics.median(ta), statistics.median(tb)
-
-
 def measure(sizes: Sizes, rounds: int, model: str = "gpt") -> dict:
     args = make_args(sizes, model=model)
     default = make_step(sizes, model=model)
@@ -359,17 +345,21 @@ def measure(sizes: Sizes, rounds: int, model: str = "gpt") -> dict:
     plan = opt.budget_plan(*args)
     peak, flops, comp = compiled_figures(opt, args)
     fits = {k: p for k, p in policies.items() if p["peak"] <= b}
-    times = {k: statistics.median([_time_one(p["program"], args) for _ in range(3)])
-             for k, p in fits.items()}  # fmt: skip
-    fastest = min(times, key=times.get)
-    ours, theirs = _paired_times(comp, fits[fastest]["program"], args, rounds)
+    screen = time_interleaved({k: p["program"] for k, p in fits.items()}, *args, repeats=3)
+    fastest = min(screen, key=lambda k: screen[k].median_s)
+    paired = time_interleaved(  # A A B B: each timed run after an untimed one of its own
+        {"ours": comp, "theirs": fits[fastest]["program"]}, *args, repeats=rounds
+    )
+    ours, theirs = paired["ours"].median_s, paired["theirs"].median_s
     timed = dict(
         budget=b, chosen=plan.chosen.key, peak=peak, seconds=ours, fastest_policy=fastest,
         fastest_seconds=theirs, ratio=ours / theirs,
     )  # fmt: skip
     # The frontier: each policy's and each plan's step time.
-    for p in [*policies.values(), *plans]:
-        p["seconds"] = statistics.median([_time_one(p["program"], args) for _ in range(5)])
+    frontier = [*policies.values(), *plans]
+    times = time_interleaved({i: p["program"] for i, p in enumerate(frontier)}, *args, repeats=5)
+    for i, p in enumerate(frontier):
+        p["seconds"] = times[i].median_s
     for p in [*policies.values(), *plans]:
         del p["program"]
     return dict(
@@ -384,13 +374,6 @@ def measure(sizes: Sizes, rounds: int, model: str = "gpt") -> dict:
         plans=plans,
         time=timed,
     )
-
-
-def _time_one(f, args) -> float:
-    jax.block_until_ready(f(*args))
-    t = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    return time.perf_counter() - t
 
 
 def table(result: dict) -> str:
