@@ -26,6 +26,9 @@ LOW_RTOL = 2e-2
 
 T, B, D = 3, 2, 4
 
+# The installed jax as (major, minor, patch), for what differs between its versions.
+JAX_VERSION = tuple(int(part) for part in jax.__version__.split(".")[:3])
+
 # ------------------------------------------------------------------------------------------
 # Comparison helpers and references.
 

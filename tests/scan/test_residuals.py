@@ -14,6 +14,7 @@ from jaxmem._src.listing import saved_residuals
 from jaxmem._src.scan import jaxprs as J
 from jaxmem._src.scan import pins as P
 from jaxmem._src.scan import residuals as R
+from tests import helpers
 
 K = np.float32(11.3137)
 
@@ -218,9 +219,13 @@ def test_calls_are_planned_equation_by_equation():
     by_float = jaxmem.scan_residuals(_masked_softmax_step(tril), h, ws)
     by_bool = jaxmem.scan_residuals(_masked_softmax_step(tril != 0), h, ws)
     assert by_float.stacked_bytes == by_bool.stacked_bytes
-    # Kept per step: q = h @ w, the scores' softmax input and its row statistics, the carry.
+    # Kept per step: q = h @ w, the carry, and what softmax's derivative reads: its input and
+    # row statistics up to jax 0.12.0, its output alone from jax 0.12.1.
     kept = sorted(r.shape for r in by_float.stacked)
-    assert kept == [(1, 64), (1, 64, 64), (64, 32), (64, 32)], kept
+    if helpers.JAX_VERSION >= (0, 12, 1):
+        assert kept == [(1, 64, 64), (64, 32), (64, 32)], kept
+    else:
+        assert kept == [(1, 64), (1, 64, 64), (64, 32), (64, 32)], kept
     assert not [r for r in by_float.stacked if r.dtype == "bool"]
 
 
