@@ -39,8 +39,10 @@ from jaxmem._src import jax_compat as _jc
 from jaxmem._src import vjp_primitive as _vjp_primitive
 from jaxmem._src.losses.linear_ce_config import (
     _CALLER,
-    _check_float,
+    _check_ignore_index,
     _check_inputs,
+    _check_loss_options,
+    _check_tile_options,
     _Config,
     _shares_tiles,
     default_tiles,
@@ -256,6 +258,75 @@ def _by_sharding(which: int, plain, cfg: _Config, *args):
     return plain(cfg, *args)
 
 
+def _token_mask(labels1, where, ignore_index):
+    """The tokens that count, [N] bool: ``where`` (all True if None) less the ignored labels."""
+    # All True, typed like labels (jnp.ones_like drops the sharding of a concrete array in jit).
+    mask = labels1 == labels1 if where is None else jnp.reshape(where, labels1.shape)
+    if ignore_index is not None:
+        mask = mask & (labels1 != ignore_index)
+    return mask
+
+
+def _check_labels_if_concrete(labels, where, ignore_index, v):
+    """:func:`_check_labels_concretely` where ``labels`` and ``where`` are concrete (not traced)."""
+    if not (_is_concrete(labels) and _is_concrete(where)):
+        return
+    np_labels = np.asarray(labels)
+    np_valid = np.ones(tuple(labels.shape), bool) if where is None else np.asarray(where)
+    if ignore_index is not None:
+        np_valid = np_valid & (np_labels != ignore_index)
+    _check_labels_concretely(np_labels, np_valid, v)
+
+
+def _token_tile(split, chunk, chunk_size, token_chunk_size, default_t, default_c):
+    """Tokens per tile: the given count, else from the default tiles; None under a vocab split."""
+    if split is not None:
+        if token_chunk_size is not None:
+            raise ValueError(
+                f"{_CALLER}: token_chunk_size does not combine with a vocabulary split "
+                f"(vocab_axis={split.axis!r}): each shard's block is [tokens, chunk_size / shards]"
+            )
+        return None
+    if token_chunk_size is not None:
+        return int(token_chunk_size)
+    if chunk_size is None:
+        return default_t
+    # A given chunk: as many tokens as make a block of the default tiles' size.
+    return max(1, default_t * default_c // chunk)
+
+
+def _core_config(options, split, dims, dtype, chunk_size, token_chunk_size, block_bytes):
+    """The core's :class:`_Config`: the loss ``options``, and tiles given or by default_tiles.
+
+    ``dims``: ``(N, D, V)``, V of this device's slice under a vocabulary split.
+    """
+    n, d, v_local = dims
+    default_t, default_c = default_tiles(n, d, v_local, dtype, block_bytes)
+    chunk = min(default_c if chunk_size is None else int(chunk_size), v_local)
+    tokens = _token_tile(split, chunk, chunk_size, token_chunk_size, default_t, default_c)
+    by_sharding = split is None and _splits_by_sharding(jax.sharding.get_abstract_mesh())
+    shared = by_sharding and _shares_tiles(block_bytes)  # devices share the memory rule's tiles
+    return _Config(
+        chunk,
+        *options,
+        token_chunk=tokens,
+        by_sharding=by_sharding,
+        cpu_tiles=jax.default_backend() == "cpu",
+        shared_chunk=shared and chunk_size is None,
+        shared_block=default_t * default_c if shared and token_chunk_size is None else None,
+    )
+
+
+def _reduce(loss, mask, reduction, shape):
+    """The per-token losses reduced: mean over the counted tokens, sum, or ``shape`` (none)."""
+    if reduction == "mean":
+        count = jnp.sum(mask).astype(jnp.float32)
+        return jnp.sum(loss) / jnp.maximum(count, 1.0)
+    if reduction == "sum":
+        return jnp.sum(loss)
+    return jnp.reshape(loss, shape)
+
+
 def linear_cross_entropy(
     x: jax.Array,
     w: jax.Array,
@@ -462,18 +533,8 @@ got labels[0, 0] = -100, labels[1, 2] = 50. Mark such tokens with ignore_index o
       Model Parallelism" (vocab-parallel cross-entropy), arXiv:1909.08053.
     """
     v = _check_inputs(x, w, labels, bias, where, chunk_size, reduction)
-    alpha = _check_float(label_smoothing, "label_smoothing", 0.0, 1.0)
-    zc = _check_float(z_loss, "z_loss", 0.0)
-    cap = None if logit_softcap is None else _check_float(logit_softcap, "logit_softcap", 0.0)
-    if cap == 0.0:
-        raise ValueError(f"{_CALLER}: logit_softcap must be > 0 or None, got {logit_softcap}")
-    if ignore_index is not None and (
-        isinstance(ignore_index, bool) or not isinstance(ignore_index, (int, np.integer))
-    ):
-        raise TypeError(
-            f"{_CALLER}: ignore_index must be a Python int or None, got "
-            f"{type(ignore_index).__name__} ({ignore_index!r})"
-        )
+    options = _check_loss_options(label_smoothing, z_loss, logit_softcap)
+    _check_ignore_index(ignore_index)
 
     split = _resolve_vocab_split(x, w, labels, where, vocab_axis)
     v_local, v = (v, v) if split is None else split.vocab_sizes(v)  # labels are global ids
@@ -483,62 +544,20 @@ got labels[0, 0] = -100, labels[1, 2] = 50. Mark such tokens with ignore_index o
     d = w.shape[0]
     x2 = jnp.reshape(x, (n, d))
     labels1 = jnp.reshape(labels, (n,))
-    # All True, typed like labels (jnp.ones_like drops the sharding of a concrete array in jit).
-    mask = labels1 == labels1 if where is None else jnp.reshape(where, (n,))
-    if ignore_index is not None:
-        mask = mask & (labels1 != ignore_index)
-    if _is_concrete(labels) and _is_concrete(where):
-        np_labels = np.asarray(labels)
-        np_valid = np.ones(shape, bool) if where is None else np.asarray(where)
-        if ignore_index is not None:
-            np_valid = np_valid & (np_labels != ignore_index)
-        _check_labels_concretely(np_labels, np_valid, v)
+    mask = _token_mask(labels1, where, ignore_index)
+    _check_labels_if_concrete(labels, where, ignore_index, v)
 
-    for name, val in (("token_chunk_size", token_chunk_size), ("block_bytes", block_bytes)):
-        if val is not None and (isinstance(val, bool) or not isinstance(val, (int, np.integer))):
-            raise TypeError(f"{_CALLER}: {name} must be an int, got {type(val).__name__}")
-        if val is not None and val <= 0:
-            raise ValueError(f"{_CALLER}: {name} must be positive, got {val}")
+    _check_tile_options(token_chunk_size, block_bytes)
     dtype = jnp.result_type(x.dtype, w.dtype)
-    default_t, default_c = default_tiles(n, d, v_local, dtype, block_bytes)
-    chunk = min(default_c if chunk_size is None else int(chunk_size), v_local)
-    if split is not None:
-        if token_chunk_size is not None:
-            raise ValueError(
-                f"{_CALLER}: token_chunk_size does not combine with a vocabulary split "
-                f"(vocab_axis={split.axis!r}): each shard's block is [tokens, chunk_size / shards]"
-            )
-        tokens = None
-    elif token_chunk_size is not None:
-        tokens = int(token_chunk_size)
-    elif chunk_size is None:
-        tokens = default_t
-    else:  # a given chunk: as many tokens as make a block of the default tiles' size
-        tokens = max(1, default_t * default_c // chunk)
-    by_sharding = split is None and _splits_by_sharding(jax.sharding.get_abstract_mesh())
-    shared = by_sharding and _shares_tiles(block_bytes)  # devices share the memory rule's tiles
-    cfg = _Config(
-        chunk,
-        alpha,
-        zc,
-        cap,
-        token_chunk=tokens,
-        by_sharding=by_sharding,
-        cpu_tiles=jax.default_backend() == "cpu",
-        shared_chunk=shared and chunk_size is None,
-        shared_block=default_t * default_c if shared and token_chunk_size is None else None,
-    )
+    tiles = (chunk_size, token_chunk_size, block_bytes)
+    cfg = _core_config(options, split, (n, d, v_local), dtype, *tiles)
     loss, lse = _per_token(cfg, split, x2, w, bias, labels1, mask)
+    # Traced labels cannot be checked: an out-of-range one gets a NaN loss, so that a mean or a
+    # sum is NaN rather than a plausible number.
     out_of_range = mask & ((labels1 < 0) | (labels1 >= v))
     loss = jnp.where(out_of_range, jnp.nan, loss)
 
-    if reduction == "mean":
-        count = jnp.sum(mask).astype(jnp.float32)
-        out = jnp.sum(loss) / jnp.maximum(count, 1.0)
-    elif reduction == "sum":
-        out = jnp.sum(loss)
-    else:
-        out = jnp.reshape(loss, shape)
+    out = _reduce(loss, mask, reduction, shape)
     if return_lse:
         return out, jnp.reshape(lse, shape)
     return out

@@ -218,15 +218,18 @@ def _check_float(value: Any, argname: str, lo: float, hi: float | None = None) -
     return value
 
 
-def _check_inputs(x, w, labels, bias, where, chunk_size, reduction):
-    """Checks shapes, dtypes and static options; returns the vocabulary size V."""
-    for name, a in (("x", x), ("w", w)):
-        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
-            raise TypeError(f"{_CALLER}: {name} must be an array, got {type(a).__name__}")
-        if not jnp.issubdtype(a.dtype, jnp.floating):
-            raise TypeError(
-                f"{_CALLER}: {name} must have a floating dtype, got {name} with {_describe(a)}"
-            )
+def _check_float_array(a: Any, name: str) -> None:
+    """Raises TypeError unless ``a`` (``x`` or ``w``) is an array of a floating dtype."""
+    if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+        raise TypeError(f"{_CALLER}: {name} must be an array, got {type(a).__name__}")
+    if not jnp.issubdtype(a.dtype, jnp.floating):
+        raise TypeError(
+            f"{_CALLER}: {name} must have a floating dtype, got {name} with {_describe(a)}"
+        )
+
+
+def _check_projection(x: Any, w: Any) -> int:
+    """Checks that ``x`` is ``[..., D]`` and ``w`` is ``[D, V]`` with V >= 1; returns V."""
     if x.ndim < 1:
         raise ValueError(f"{_CALLER}: x must have shape [..., D], got x with {_describe(x)}")
     if w.ndim != 2:
@@ -239,6 +242,11 @@ def _check_inputs(x, w, labels, bias, where, chunk_size, reduction):
         )
     if v < 1:
         raise ValueError(f"{_CALLER}: w must have at least one column (V >= 1), got {w.shape}")
+    return v
+
+
+def _check_labels(labels: Any, x: Any) -> None:
+    """Raises unless ``labels`` is an integer array of shape ``x.shape[:-1]``."""
     if not hasattr(labels, "shape") or not hasattr(labels, "dtype"):
         raise TypeError(f"{_CALLER}: labels must be an integer array, got {type(labels).__name__}")
     if not jnp.issubdtype(labels.dtype, jnp.integer):
@@ -250,33 +258,93 @@ def _check_inputs(x, w, labels, bias, where, chunk_size, reduction):
             f"{_CALLER}: labels must have shape x.shape[:-1] = {tuple(x.shape[:-1])}, got labels "
             f"with {_describe(labels)}"
         )
-    if bias is not None:
-        if not hasattr(bias, "shape") or not jnp.issubdtype(bias.dtype, jnp.floating):
-            raise TypeError(f"{_CALLER}: bias must be a floating array of shape [V] = ({v},)")
-        if tuple(bias.shape) != (v,):
-            raise ValueError(
-                f"{_CALLER}: bias must have shape [V] = ({v},), got bias with {_describe(bias)}"
-            )
-    if where is not None:
-        if not hasattr(where, "shape") or jnp.result_type(where) != jnp.bool_:
-            raise TypeError(
-                f"{_CALLER}: where must be a boolean array of shape {tuple(labels.shape)}, got "
-                f"{type(where).__name__}"
-                + (f" with {_describe(where)}" if hasattr(where, "shape") else "")
-            )
-        if tuple(where.shape) != tuple(labels.shape):
-            raise ValueError(
-                f"{_CALLER}: where must have the shape of labels {tuple(labels.shape)}, got where "
-                f"with {_describe(where)}"
-            )
-    if chunk_size is not None:
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)):
-            raise TypeError(
-                f"{_CALLER}: chunk_size must be a positive Python int or None, got "
-                f"{type(chunk_size).__name__} ({chunk_size!r})"
-            )
-        if chunk_size <= 0:
-            raise ValueError(f"{_CALLER}: chunk_size must be a positive int, got {chunk_size}")
+
+
+def _check_bias(bias: Any, v: int) -> None:
+    """Raises unless ``bias`` is None or a floating array of shape ``[V]``."""
+    if bias is None:
+        return
+    if not hasattr(bias, "shape") or not jnp.issubdtype(bias.dtype, jnp.floating):
+        raise TypeError(f"{_CALLER}: bias must be a floating array of shape [V] = ({v},)")
+    if tuple(bias.shape) != (v,):
+        raise ValueError(
+            f"{_CALLER}: bias must have shape [V] = ({v},), got bias with {_describe(bias)}"
+        )
+
+
+def _check_where(where: Any, labels: Any) -> None:
+    """Raises unless ``where`` is None or a boolean array of the shape of ``labels``."""
+    if where is None:
+        return
+    if not hasattr(where, "shape") or jnp.result_type(where) != jnp.bool_:
+        raise TypeError(
+            f"{_CALLER}: where must be a boolean array of shape {tuple(labels.shape)}, got "
+            f"{type(where).__name__}"
+            + (f" with {_describe(where)}" if hasattr(where, "shape") else "")
+        )
+    if tuple(where.shape) != tuple(labels.shape):
+        raise ValueError(
+            f"{_CALLER}: where must have the shape of labels {tuple(labels.shape)}, got where "
+            f"with {_describe(where)}"
+        )
+
+
+def _check_chunk_size(chunk_size: Any) -> None:
+    """Raises unless ``chunk_size`` is None or a positive int."""
+    if chunk_size is None:
+        return
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)):
+        raise TypeError(
+            f"{_CALLER}: chunk_size must be a positive Python int or None, got "
+            f"{type(chunk_size).__name__} ({chunk_size!r})"
+        )
+    if chunk_size <= 0:
+        raise ValueError(f"{_CALLER}: chunk_size must be a positive int, got {chunk_size}")
+
+
+def _check_inputs(x, w, labels, bias, where, chunk_size, reduction):
+    """Checks shapes, dtypes and static options; returns the vocabulary size V."""
+    # The order is part of the behaviour: where several things are wrong, the first check's
+    # error is the one raised.
+    _check_float_array(x, "x")
+    _check_float_array(w, "w")
+    v = _check_projection(x, w)
+    _check_labels(labels, x)
+    _check_bias(bias, v)
+    _check_where(where, labels)
+    _check_chunk_size(chunk_size)
     if reduction not in _REDUCTIONS:
         raise ValueError(f"{_CALLER}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     return v
+
+
+def _check_loss_options(
+    label_smoothing: Any, z_loss: Any, logit_softcap: Any
+) -> tuple[float, float, float | None]:
+    """Checks the static floats of the loss; returns them as floats (the softcap or None)."""
+    alpha = _check_float(label_smoothing, "label_smoothing", 0.0, 1.0)
+    zc = _check_float(z_loss, "z_loss", 0.0)
+    cap = None if logit_softcap is None else _check_float(logit_softcap, "logit_softcap", 0.0)
+    if cap == 0.0:
+        raise ValueError(f"{_CALLER}: logit_softcap must be > 0 or None, got {logit_softcap}")
+    return alpha, zc, cap
+
+
+def _check_ignore_index(ignore_index: Any) -> None:
+    """Raises TypeError unless ``ignore_index`` is None or an int (not a bool)."""
+    if ignore_index is not None and (
+        isinstance(ignore_index, bool) or not isinstance(ignore_index, (int, np.integer))
+    ):
+        raise TypeError(
+            f"{_CALLER}: ignore_index must be a Python int or None, got "
+            f"{type(ignore_index).__name__} ({ignore_index!r})"
+        )
+
+
+def _check_tile_options(token_chunk_size: Any, block_bytes: Any) -> None:
+    """Raises unless ``token_chunk_size`` and ``block_bytes`` are each None or a positive int."""
+    for name, val in (("token_chunk_size", token_chunk_size), ("block_bytes", block_bytes)):
+        if val is not None and (isinstance(val, bool) or not isinstance(val, (int, np.integer))):
+            raise TypeError(f"{_CALLER}: {name} must be an int, got {type(val).__name__}")
+        if val is not None and val <= 0:
+            raise ValueError(f"{_CALLER}: {name} must be positive, got {val}")

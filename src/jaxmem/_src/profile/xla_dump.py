@@ -185,7 +185,55 @@ def _source(meta: dict[str, str], frames: dict[int, str]) -> str:
     return ""
 
 
+def _skip_shape(rest: str) -> str:
+    """The text of an instruction after its shape: a tuple ``(...)`` or one token."""
+    if rest.startswith("("):
+        end = _matching(rest, 0)
+        return rest[end + 1 :].lstrip() if end >= 0 else ""
+    return rest.split(" ", 1)[1] if " " in rest else ""
+
+
+def _read_instr(
+    line: str, computation: str, frames: dict[int, str], where: tuple[str, int]
+) -> _Instr:
+    """One HLO instruction line of ``computation``; ``where`` is ``(path, lineno)`` for errors."""
+    m = _INSTR.match(line)
+    if m is None:
+        raise _error("unknown HLO instruction line", *where, line)
+    is_root, name, rest = bool(m.group(1)), m.group(2), _skip_shape(m.group(3))
+    om = re.match(r"([\w\-]+)\(", rest)
+    if om is None:
+        raise _error("unknown HLO instruction line", *where, line)
+    close = _matching(rest, om.end() - 1)
+    if close < 0:
+        raise _error("unbalanced parentheses in an HLO instruction", *where, line)
+    operands = tuple(re.findall(r"%([\w.\-]+)", rest[om.end() : close]))
+    attrs = rest[close + 1 :]
+    meta = _metadata(attrs)
+    return _Instr(
+        name,
+        computation,
+        om.group(1),
+        operands,
+        rest[om.end() : close],
+        attrs,
+        meta.get("op_name", ""),
+        _source(meta, frames),
+        is_root,
+    )
+
+
+def _called(attrs: str) -> list[str]:
+    """The computations an instruction calls (fusion, loop body and condition, call, ...)."""
+    return [
+        c.strip().lstrip("%")
+        for called in _CALLS.findall(attrs)
+        for c in called.strip("{}").split(",")
+    ]
+
+
 def _read_module(path: str) -> _Module:
+    """The HLO module dumped at ``path``: its instructions, roots and callers."""
     lines = _read_lines(path)
     frames = _frame_sources(_read_tables(lines, path), path)
     instrs: dict[str, _Instr] = {}
@@ -203,41 +251,12 @@ def _read_module(path: str) -> _Module:
             continue
         if not line.strip():
             continue
-        m = _INSTR.match(line)
-        if m is None:
-            raise _error("unknown HLO instruction line", path, lineno, line)
-        is_root, name, rest = bool(m.group(1)), m.group(2), m.group(3)
-        # Skip the shape: a tuple "(...)" or one token.
-        if rest.startswith("("):
-            end = _matching(rest, 0)
-            rest = rest[end + 1 :].lstrip() if end >= 0 else ""
-        else:
-            rest = rest.split(" ", 1)[1] if " " in rest else ""
-        om = re.match(r"([\w\-]+)\(", rest)
-        if om is None:
-            raise _error("unknown HLO instruction line", path, lineno, line)
-        close = _matching(rest, om.end() - 1)
-        if close < 0:
-            raise _error("unbalanced parentheses in an HLO instruction", path, lineno, line)
-        operands = tuple(re.findall(r"%([\w.\-]+)", rest[om.end() : close]))
-        attrs = rest[close + 1 :]
-        meta = _metadata(attrs)
-        instrs[name] = _Instr(
-            name,
-            computation,
-            om.group(1),
-            operands,
-            rest[om.end() : close],
-            attrs,
-            meta.get("op_name", ""),
-            _source(meta, frames),
-            is_root,
-        )
-        if is_root:
-            roots[computation] = name
-        for called in _CALLS.findall(attrs):
-            for c in called.strip("{}").split(","):
-                callers.setdefault(c.strip().lstrip("%"), name)
+        instr = _read_instr(line, computation, frames, (path, lineno))
+        instrs[instr.name] = instr
+        if instr.is_root:
+            roots[computation] = instr.name
+        for called in _called(instr.attrs):
+            callers.setdefault(called, instr.name)
     if not instrs:
         raise _error("no HLO computation found", path)
     return _Module(instrs, roots, callers)
@@ -245,6 +264,76 @@ def _read_module(path: str) -> _Module:
 
 # Opcodes that only move or wrap data: their metadata (if any) says less than their operand's.
 _PASS_THROUGH = {"tuple", "get-tuple-element", "parameter", "while", "dynamic-update-slice"}
+
+
+# Where _origin goes next from the value ``index`` of ``instr``, one step per opcode it follows:
+# (instruction, index), or None where the step leads nowhere.
+_Next = tuple[str, tuple[int, ...]]
+
+
+def _into_tuple(module: _Module, instr: _Instr, index: tuple[int, ...]) -> _Next | None:
+    """Element ``index[0]`` of a tuple: the operand that fills it."""
+    if index and index[0] < len(instr.operands):
+        return instr.operands[index[0]], index[1:]
+    return None
+
+
+def _out_of_tuple(module: _Module, instr: _Instr, index: tuple[int, ...]) -> _Next | None:
+    """A get-tuple-element: element ``index=`` of its operand."""
+    m = re.search(r"\bindex=(\d+)", instr.attrs)
+    if not instr.operands or m is None:
+        return None
+    return instr.operands[0], (int(m.group(1)), *index)
+
+
+def _into_loop(module: _Module, instr: _Instr, index: tuple[int, ...]) -> _Next | None:
+    """A while loop's result: what the loop body's root writes into the slot."""
+    body = re.search(r"\bbody=%?([\w.\-]+)", instr.attrs)
+    if body is not None and body.group(1) in module.roots:
+        return module.roots[body.group(1)], index
+    return None
+
+
+def _out_of_parameter(module: _Module, instr: _Instr, index: tuple[int, ...]) -> _Next | None:
+    """A parameter of a called computation: the loop state, or the fusion's or call's operand."""
+    caller = module.instrs.get(module.callers.get(instr.computation, ""))
+    if caller is not None and caller.opcode == "while":
+        return caller.name, index  # loop state: what the body writes into the slot
+    if caller is not None and caller.opcode in ("fusion", "call"):
+        num = instr.operand_text.strip()
+        if num.isdigit() and int(num) < len(caller.operands):
+            return caller.operands[int(num)], index
+    return None
+
+
+def _into_fusion(module: _Module, instr: _Instr, index: tuple[int, ...]) -> _Next | None:
+    """A fusion's result: the root of the fused computation."""
+    calls = re.search(r"\bcalls=%?([\w.\-]+)", instr.attrs)
+    if calls is not None and calls.group(1) in module.roots:
+        return module.roots[calls.group(1)], index
+    return None
+
+
+def _update(module: _Module, instr: _Instr, index: tuple[int, ...]) -> _Next | None:
+    """A dynamic-update-slice: the update written into the buffer."""
+    return (instr.operands[1], index) if len(instr.operands) > 1 else None
+
+
+def _copied(module: _Module, instr: _Instr, index: tuple[int, ...]) -> _Next | None:
+    """A copy or bitcast (without a source location): its operand."""
+    return (instr.operands[0], index) if instr.operands else None
+
+
+_ORIGIN_STEPS = {
+    "tuple": _into_tuple,
+    "get-tuple-element": _out_of_tuple,
+    "while": _into_loop,
+    "parameter": _out_of_parameter,
+    "fusion": _into_fusion,
+    "dynamic-update-slice": _update,
+    "copy": _copied,
+    "bitcast": _copied,
+}
 
 
 def _origin(
@@ -262,38 +351,12 @@ def _origin(
         return None
     seen = seen | {(name, index)}
     own = instr if instr.source or instr.op_name else None
-    if instr.source and instr.opcode not in _PASS_THROUGH | {"fusion", "copy", "bitcast"}:
+    # A source location ends the search, but at what only moves or wraps data and at fusions,
+    # whose operands or roots say more (a copy or bitcast with one is its own origin).
+    if instr.source and instr.opcode not in _PASS_THROUGH | {"fusion"}:
         return instr
-    nxt: tuple[str, tuple[int, ...]] | None = None
-    op = instr.opcode
-    if op == "tuple" and index and index[0] < len(instr.operands):
-        nxt = (instr.operands[index[0]], index[1:])
-    elif op == "get-tuple-element" and instr.operands:
-        m = re.search(r"\bindex=(\d+)", instr.attrs)
-        if m is not None:
-            nxt = (instr.operands[0], (int(m.group(1)), *index))
-    elif op == "while":
-        body = re.search(r"\bbody=%?([\w.\-]+)", instr.attrs)
-        if body is not None and body.group(1) in module.roots:
-            nxt = (module.roots[body.group(1)], index)
-    elif op == "parameter":
-        caller = module.instrs.get(module.callers.get(instr.computation, ""))
-        if caller is not None and caller.opcode == "while":
-            nxt = (caller.name, index)  # loop state: what the body writes into the slot
-        elif caller is not None and caller.opcode in ("fusion", "call"):
-            num = instr.operand_text.strip()
-            if num.isdigit() and int(num) < len(caller.operands):
-                nxt = (caller.operands[int(num)], index)
-    elif op == "fusion":
-        calls = re.search(r"\bcalls=%?([\w.\-]+)", instr.attrs)
-        if calls is not None and calls.group(1) in module.roots:
-            nxt = (module.roots[calls.group(1)], index)
-    elif op == "dynamic-update-slice" and len(instr.operands) > 1:
-        nxt = (instr.operands[1], index)  # the update written into the buffer
-    elif op in ("copy", "bitcast") and instr.operands:
-        if instr.source:
-            return instr
-        nxt = (instr.operands[0], index)
+    step = _ORIGIN_STEPS.get(instr.opcode)
+    nxt = None if step is None else step(module, instr, index)
     if nxt is not None:
         found = _origin(module, nxt[0], nxt[1], seen)
         if found is not None and (found.source or not own):
@@ -423,7 +486,34 @@ _SEQ_ROW = re.compile(r"^\s+(\d+):(\S+)$")
 _RANGE_ROW = re.compile(r"^\s+(\S+\{[\d,]*\}):(-?\d+)-(-?\d+)$")
 
 
+_SECTIONS = {"InstructionSequence:": "sequence", "BufferLiveRange:": "ranges"}
+
+
+def _section(stripped: str) -> str | None:
+    """The section of the live-range dump a (stripped) header line starts, or None."""
+    if stripped.startswith("HloLiveRange"):
+        return "head"
+    return _SECTIONS.get(stripped)
+
+
+def _read_sequence_row(program: list[str], line: str, path: str, lineno: int) -> None:
+    """Appends the instruction of an InstructionSequence row (numbered in order) to ``program``."""
+    m = _SEQ_ROW.match(line)
+    if m is None or int(m.group(1)) != len(program):
+        raise _error("unknown instruction-sequence line", path, lineno, line)
+    program.append(m.group(2))
+
+
+def _read_range_row(ranges: dict[str, tuple[int, int]], line: str, path: str, lineno: int):
+    """Adds the ``(start, end)`` of a BufferLiveRange row to ``ranges``."""
+    m = _RANGE_ROW.match(line)
+    if m is None:
+        raise _error("unknown live-range line", path, lineno, line)
+    ranges[m.group(1)] = (int(m.group(2)), int(m.group(3)))
+
+
 def _read_live_ranges(path: str) -> _LiveRanges:
+    """The live-range dump at ``path``: instruction sequence, ranges and the peak's position."""
     program: list[str] = []
     ranges: dict[str, tuple[int, int]] = {}
     peak = None
@@ -432,26 +522,16 @@ def _read_live_ranges(path: str) -> _LiveRanges:
         stripped = line.strip()
         if not stripped:
             continue
-        if stripped.startswith("HloLiveRange"):
-            section = "head"
-        elif stripped == "InstructionSequence:":
-            section = "sequence"
-        elif stripped == "BufferLiveRange:":
-            section = "ranges"
-        elif stripped.startswith("Live ranges at"):
+        if stripped.startswith("Live ranges at"):
             m = re.match(r"Live ranges at (\d+)", stripped)
             peak = int(m.group(1)) if m else None
             break  # the rest (XLA's own peak listing, a stack-trace tree) is not needed
+        if (header := _section(stripped)) is not None:
+            section = header
         elif section == "sequence":
-            m = _SEQ_ROW.match(line)
-            if m is None or int(m.group(1)) != len(program):
-                raise _error("unknown instruction-sequence line", path, lineno, line)
-            program.append(m.group(2))
+            _read_sequence_row(program, line, path, lineno)
         elif section == "ranges":
-            m = _RANGE_ROW.match(line)
-            if m is None:
-                raise _error("unknown live-range line", path, lineno, line)
-            ranges[m.group(1)] = (int(m.group(2)), int(m.group(3)))
+            _read_range_row(ranges, line, path, lineno)
         else:
             raise _error("unknown line", path, lineno, line)
     if not program or not ranges:

@@ -200,6 +200,86 @@ def _pareto_keys(measured: dict[str, tuple[int, float]]) -> set[str]:
     return keys
 
 
+def _sweep_budgets(budgets: int | Sequence[int], lo: int, hi: int, caller: str) -> list[int]:
+    """The budgets to plan for: ``budgets`` of them from ``lo`` to ``hi``, or those given."""
+    if isinstance(budgets, int) and not isinstance(budgets, bool):
+        if budgets < 0:
+            raise ValueError(f"{caller}: budgets={budgets}; give a count >= 0 or a list of bytes")
+        return [int(b) for b in np.linspace(lo, hi, budgets)] if budgets > 1 else [lo][:budgets]
+    return [_check_budget(b, caller) for b in budgets]
+
+
+def _step_times(
+    loss_fn: Callable,
+    args: Sequence[Any],
+    argnums: int | Sequence[int],
+    measured: dict[str, tuple[int, float]],
+    picks: dict[str, list[int]],
+) -> dict[str, float]:
+    """Median step times of the no-remat, preset and picked points, measured interleaved."""
+    timed = {"no remat", "save nothing", *(f"preset {n}" for n in PRESETS[1:]), *picks}
+    keys = sorted(timed & set(measured))
+    search = _Search(jax.grad(loss_fn, argnums=argnums), args, 0)
+    cands = [Candidate.from_key(k) for k in keys]
+    return dict(zip(keys, _time_gradients(search, cands), strict=True))
+
+
+def _kind(key: str) -> str:
+    """The :attr:`FrontierPoint.kind` of a candidate key."""
+    c = Candidate.from_key(key)
+    if c.no_remat:
+        return "no remat"
+    if c.offload:
+        return "offload"
+    if c.checkpoints is not None:
+        return "checkpoints"
+    if c.preset is not None or not c.save:
+        return "preset"
+    return "names"
+
+
+def _measured_points(
+    measured: dict[str, tuple[int, float]],
+    base: float,
+    picks: dict[str, list[int]],
+    times: dict[str, float],
+) -> list[FrontierPoint]:
+    """A point per measured candidate, by increasing temp, then FLOPs, then key."""
+    pareto = _pareto_keys(measured)
+    points = []
+    for k, (t, f) in sorted(measured.items(), key=lambda kv: (kv[1][0], kv[1][1], kv[0])):
+        note = "the preset nothing: full remat" if k == "save nothing" else ""
+        picked = tuple(picks.get(k, ()))
+        points.append(
+            FrontierPoint(k, _kind(k), t, f - base, times.get(k), k in pareto, picked, note)
+        )
+    return points
+
+
+def _offload_point(plans: Sequence[RematPlan]) -> FrontierPoint:
+    """The point of offloading every name the plans know: unmeasured, offload is the identity."""
+    names = sorted({n for p in plans for n in p.save | p.recompute})
+    return FrontierPoint(
+        Candidate(offload=frozenset(names)).key,
+        "offload",
+        None,
+        None,
+        note=f"not measurable here ({jax.default_backend()}: host offload is the identity)",
+    )
+
+
+def _below_reach_point(budgets: Sequence[int]) -> FrontierPoint:
+    """The unmeasured point noting the budgets skipped as below full remat's temp."""
+    return FrontierPoint(
+        "below reach",
+        "names",
+        None,
+        None,
+        note="budgets below the smallest reachable temp skipped: "
+        + ", ".join(str(b) for b in budgets),
+    )
+
+
 def frontier(
     loss_fn: Callable,
     *args: Any,
@@ -253,84 +333,37 @@ def frontier(
     loose = plan(
         loss_fn, *args, budget=2**62, argnums=argnums, max_compiles=max_compiles, known=known
     )
-    compiles = loose.compiles
     measured = {k: (t, f) for k, t, f in loose.trials}
     lo = min(t for t, _ in measured.values())
     hi = measured["no remat"][0]
-    if isinstance(budgets, int) and not isinstance(budgets, bool):
-        if budgets < 0:
-            raise ValueError(f"{caller}: budgets={budgets}; give a count >= 0 or a list of bytes")
-        sweep = [int(b) for b in np.linspace(lo, hi, budgets)] if budgets > 1 else [lo][:budgets]
-    else:
-        sweep = [_check_budget(b, caller) for b in budgets]
-    plans, notes, chosen = [], {}, None
-    for i, b in enumerate([*sweep, *([] if budget is None else [budget])]):
-        if b < lo:
-            notes.setdefault("budget", []).append(b)
-            continue
+    sweep = _sweep_budgets(budgets, lo, hi, caller)
+
+    def plan_for(b: int) -> RematPlan:
+        """The plan for budget ``b``, reusing every measurement so far and adding its own."""
         trials = [(k, t, f) for k, (t, f) in measured.items()]
         p = plan(loss_fn, *args, budget=b, argnums=argnums, max_compiles=max_compiles, known=trials)
-        compiles += p.compiles
         measured.update({k: (t, f) for k, t, f in p.trials})
-        if i < len(sweep):
-            plans.append(p)
-        else:
-            chosen = p
+        return p
+
+    below = [b for b in sweep if b < lo]
+    plans = [plan_for(b) for b in sweep if b >= lo]
+    chosen = None
+    if budget is not None and budget < lo:
+        below.append(budget)
+    elif budget is not None:
+        chosen = plan_for(budget)
+    compiles = sum(p.compiles for p in (loose, *plans, chosen) if p is not None)
 
     base = loose.baseline_flops or 0.0
     picks: dict[str, list[int]] = {}
     for p in plans:  # The sweep's picks (the chosen plan is marked on its own).
         picks.setdefault(p.candidate.key, []).append(p.budget)
-    pareto = _pareto_keys(measured)
-    times: dict[str, float] = {}
-    if time:
-        timed = {"no remat", "save nothing", *(f"preset {n}" for n in PRESETS[1:]), *picks}
-        keys = sorted(timed & set(measured))
-        search = _Search(jax.grad(loss_fn, argnums=argnums), args, 0)
-        cands = [Candidate.from_key(k) for k in keys]
-        times = dict(zip(keys, _time_gradients(search, cands), strict=True))
-
-    def kind(k):
-        c = Candidate.from_key(k)
-        if c.no_remat:
-            return "no remat"
-        if c.offload:
-            return "offload"
-        if c.checkpoints is not None:
-            return "checkpoints"
-        if c.preset is not None or not c.save:
-            return "preset"
-        return "names"
-
-    points = []
-    for k, (t, f) in sorted(measured.items(), key=lambda kv: (kv[1][0], kv[1][1], kv[0])):
-        note = "the preset nothing: full remat" if k == "save nothing" else ""
-        picked = tuple(picks.get(k, ()))
-        points.append(
-            FrontierPoint(k, kind(k), t, f - base, times.get(k), k in pareto, picked, note)
-        )
+    times = _step_times(loss_fn, args, argnums, measured, picks) if time else {}
+    points = _measured_points(measured, base, picks, times)
     if not _offload_measurable():
-        names = sorted({n for p in plans + [loose] for n in p.save | p.recompute})
-        points.append(
-            FrontierPoint(
-                Candidate(offload=frozenset(names)).key,
-                "offload",
-                None,
-                None,
-                note=f"not measurable here ({jax.default_backend()}: host offload is the identity)",
-            )
-        )
-    if notes:
-        points.append(
-            FrontierPoint(
-                "below reach",
-                "names",
-                None,
-                None,
-                note="budgets below the smallest reachable temp skipped: "
-                + ", ".join(str(b) for b in notes["budget"]),
-            )
-        )
+        points.append(_offload_point(plans + [loose]))
+    if below:
+        points.append(_below_reach_point(below))
     return Frontier(
         points=tuple(points),
         plans=tuple(plans),

@@ -158,6 +158,60 @@ def _rank(estimates: Sequence[NameEstimate]) -> list[NameEstimate]:
     return sorted(estimates, key=lambda e: (-e.flops / max(e.bytes, 1), e.bytes, e.name))
 
 
+def _knapsack_fill(ranked: list[NameEstimate], predict: Callable, budget: int) -> frozenset[str]:
+    """The names, taken in rank order, whose predicted temp together still fits ``budget``."""
+    chosen: set[str] = set()
+    for e in ranked:
+        if predict(chosen | {e.name}) <= budget:
+            chosen.add(e.name)
+    return frozenset(chosen)
+
+
+def _cheapest_flops(search: _Search, budget: int) -> float:
+    """The FLOPs of the cheapest measured candidate within ``budget`` (inf: none fits)."""
+    fits = search.fitting(budget)
+    return fits[0][0] if fits else math.inf
+
+
+def _grown(names: frozenset[str], ranked: list[NameEstimate]) -> list[frozenset[str]]:
+    """``names`` plus each other name, in rank order."""
+    return [names | {e.name} for e in ranked if e.name not in names]
+
+
+def _cheapest_fitting_set(search: _Search, budget: int) -> frozenset[str] | None:
+    """The saved names of the cheapest fitting plain name-set candidate so far, or None."""
+    fits = [
+        (f, sorted(c.save))
+        for c, (t, f) in search.results.items()
+        if t <= budget and not (c.no_remat or c.preset or c.offload or c.checkpoints)
+    ]
+    return frozenset(min(fits)[1]) if fits else None
+
+
+def _next_sets(
+    search: _Search,
+    candidate: frozenset[str],
+    temp: int,
+    ranked: list[NameEstimate],
+    budget: int,
+    predict: Callable,
+) -> list[frozenset[str]]:
+    """The name sets to try after ``candidate`` measured ``temp``, best first."""
+    if temp <= budget:
+        offset = temp - predict(candidate)  # Correct the next prediction by this one's error.
+        # Predicted to fit first; then the others (temps are not monotone in the names
+        # saved: saving a value can shorten the live range of what computes it).
+        return sorted(_grown(candidate, ranked), key=lambda c: predict(c, offset) > budget)
+    # Too large: drop one name, the worst-ranked first.
+    ordered = [e.name for e in ranked if e.name in candidate]
+    nexts = [candidate - {n} for n in reversed(ordered)]
+    # Then grow the cheapest fitting set found so far the same way.
+    best = _cheapest_fitting_set(search, budget)
+    if best is not None:
+        nexts += _grown(best, ranked)
+    return nexts
+
+
 def _greedy(
     search: _Search, ranked: list[NameEstimate], budget: int, lo: int, scale: float
 ) -> dict[frozenset[str], int]:
@@ -174,47 +228,21 @@ def _greedy(
     def predict(names, offset=0.0):
         return lo + offset + scale * sum(by_name[n].bytes for n in names)
 
-    chosen: set[str] = set()
-    for e in ranked:  # Knapsack fill on the predictions.
-        if predict(chosen | {e.name}) <= budget:
-            chosen.add(e.name)
-    candidate: frozenset[str] | None = frozenset(chosen)
+    candidate: frozenset[str] | None = _knapsack_fill(ranked, predict, budget)
     visited: dict[frozenset[str], int] = {frozenset(): lo}  # Name set -> predicted temp.
-
-    def cheapest():
-        fits = search.fitting(budget)
-        return fits[0][0] if fits else math.inf
-
     stale = 0  # Compiles since the cheapest fitting FLOPs last went down.
     while candidate is not None and stale < _PATIENCE:
         visited[candidate] = int(predict(candidate))
-        before, compiles = cheapest(), search.compiles
+        before, compiles = _cheapest_flops(search, budget), search.compiles
         try:
             temp, _ = search.measure(Candidate(save=candidate))
         except _OutOfCompiles:
             break
-        if cheapest() < before:
+        if _cheapest_flops(search, budget) < before:
             stale = 0
         elif search.compiles > compiles:  # Measurements reused from `known` are free.
             stale += 1
-        offset = temp - predict(candidate)  # Correct the next prediction by this one's error.
-        if temp <= budget:
-            grow = [candidate | {e.name} for e in ranked if e.name not in candidate]
-            # Predicted to fit first; then the others (temps are not monotone in the names
-            # saved: saving a value can shorten the live range of what computes it).
-            nexts = sorted(grow, key=lambda c: predict(c, offset) > budget)
-        else:
-            ordered = [e.name for e in ranked if e.name in candidate]
-            nexts = [candidate - {n} for n in reversed(ordered)]
-            # Then grow the cheapest fitting set found so far the same way.
-            fits = [
-                (f, sorted(c.save))
-                for c, (t, f) in search.results.items()
-                if t <= budget and not (c.no_remat or c.preset or c.offload or c.checkpoints)
-            ]
-            if fits:
-                best = frozenset(min(fits)[1])
-                nexts += [best | {e.name} for e in ranked if e.name not in best]
+        nexts = _next_sets(search, candidate, temp, ranked, budget, predict)
         candidate = next((c for c in nexts if c not in visited), None)
     return visited
 
@@ -265,6 +293,116 @@ def _below_reach_message(caller, budget, lo, lo_key, names, checkpoints_tried, o
         f"({lo / 2**20:.3f} MiB, {lo_key}; names: {', '.join(sorted(names))}). What would "
         f"lower it further: {'; '.join(more)}."
     )
+
+
+def _check_max_compiles(max_compiles: Any, caller: str) -> None:
+    """Raises unless ``max_compiles`` is an int of at least ``_MIN_COMPILES``."""
+    if isinstance(max_compiles, bool) or not isinstance(max_compiles, int):
+        raise TypeError(f"{caller}: max_compiles must be an int, got {max_compiles!r}")
+    if max_compiles < _MIN_COMPILES:
+        raise ValueError(f"{caller}: max_compiles={max_compiles}; it needs at least 3.")
+
+
+def _discover_names(loss_fn: Callable, args: Sequence[Any], caller: str) -> list[NameEstimate]:
+    """Step 1: the names ``loss_fn`` uses, with estimates; raises where it uses none."""
+    estimates = _discover(loss_fn, args)
+    if not estimates:
+        raise ValueError(
+            f"{caller}: loss_fn runs no scan and uses no checkpoint name; tag activations with "
+            'jaxmem.name(x, ...) in a stack with policy="auto".'
+        )
+    return estimates
+
+
+def _new_search(
+    loss_fn: Callable,
+    args: Sequence[Any],
+    argnums: int | Sequence[int],
+    max_compiles: int,
+    known: Sequence[tuple[str, int, float]],
+) -> _Search:
+    """A search over the gradient of ``loss_fn``, starting from the ``known`` measurements."""
+    fast = jax.default_backend() == "cpu"
+    search = _Search(jax.grad(loss_fn, argnums=argnums), args, max_compiles, fast=fast)
+    for key, temp, flops in known:
+        search.results[Candidate.from_key(key)] = (int(temp), float(flops))
+    return search
+
+
+def _offload_choice(offload: bool | None) -> tuple[bool, list[str]]:
+    """Whether to search host offload (None: where it is measurable), and the plan's notes."""
+    notes = []
+    measurable = _offload_measurable()
+    if offload is None:
+        offload = measurable
+        if not measurable:
+            notes.append(
+                f"offload not measurable here ({jax.default_backend()}: host offload is the "
+                "identity on CPU); plans with offload were not searched"
+            )
+    return offload, notes
+
+
+def _measure_first_round(
+    search: _Search, names: frozenset[str], presets: bool
+) -> tuple[Candidate, Candidate, Candidate]:
+    """Step 2: compiles the ends and the presets; returns (no remat, save every name, nothing)."""
+    full = Candidate(save=frozenset())
+    no_remat = Candidate(no_remat=True)
+    every = Candidate(save=names)
+    first = [no_remat, every, full]
+    if presets:
+        first += [Candidate(preset=p) for p in PRESETS[1:]]  # "nothing" is `full`.
+    search.measure_many(first)
+    return no_remat, every, full
+
+
+def _search_names(
+    search: _Search, estimates: Sequence[NameEstimate], budget: int, lo: int, hi: int
+) -> dict[Candidate, int]:
+    """Step 3: the greedy over name sets; returns each tried candidate's predicted temp.
+
+    ``lo`` and ``hi``: the measured temps of saving nothing and every name, which scale the
+    estimated bytes to predicted temps.
+    """
+    total = sum(e.bytes for e in estimates)
+    scale = (hi - lo) / total if total else 0.0
+    tried = _greedy(search, _rank(estimates), budget, lo, scale)
+    return {Candidate(save=s): p for s, p in tried.items()}
+
+
+def _measure_below_full_remat(
+    search: _Search, names: frozenset[str], checkpoints: bool, offload: bool
+) -> None:
+    """Step 4: ``checkpoints="sqrt"``, then host offload of every name (within max_compiles)."""
+    if checkpoints:
+        with contextlib.suppress(_OutOfCompiles):
+            search.measure(Candidate(checkpoints="sqrt"))
+    if offload:
+        with contextlib.suppress(_OutOfCompiles):
+            search.measure(Candidate(offload=names))
+            search.measure(Candidate(offload=names, checkpoints="sqrt"))
+
+
+def _below_reach_error(search: _Search, caller, budget, names, checkpoints, offload, notes):
+    """The ValueError of a budget below every measured temp (:func:`_below_reach_message`)."""
+    t_min, key_min = min((t, c.key) for c, (t, _) in search.results.items())
+    # Why offload was not searched, where it was not: not measurable here, or turned off.
+    offload_note = None if offload else (notes[0] if notes else "not searched: offload=False")
+    return ValueError(
+        _below_reach_message(caller, budget, t_min, key_min, names, checkpoints, offload_note)
+    )
+
+
+def _saved_and_recomputed(
+    best: Candidate, names: frozenset[str]
+) -> tuple[frozenset[str], frozenset[str]]:
+    """The names the plan ``best`` saves and recomputes (a preset's choice is not by name)."""
+    if best.no_remat:
+        return names, frozenset()
+    if best.preset is not None:
+        return frozenset(), frozenset()
+    return best.save, names - best.save - best.offload
 
 
 def plan(
@@ -338,81 +476,29 @@ def plan(
     """
     caller = "jaxmem.plan"
     budget = _check_budget(budget, caller)
-    if isinstance(max_compiles, bool) or not isinstance(max_compiles, int):
-        raise TypeError(f"{caller}: max_compiles must be an int, got {max_compiles!r}")
-    if max_compiles < _MIN_COMPILES:
-        raise ValueError(f"{caller}: max_compiles={max_compiles}; it needs at least 3.")
+    _check_max_compiles(max_compiles, caller)
     start = _time.perf_counter()
-    estimates = _discover(loss_fn, args)
-    if not estimates:
-        raise ValueError(
-            f"{caller}: loss_fn runs no scan and uses no checkpoint name; tag activations with "
-            'jaxmem.name(x, ...) in a stack with policy="auto".'
-        )
+    estimates = _discover_names(loss_fn, args, caller)
     names = frozenset(e.name for e in estimates)
-    fast = jax.default_backend() == "cpu"
-    search = _Search(jax.grad(loss_fn, argnums=argnums), args, max_compiles, fast=fast)
-    for key, temp, flops in known:
-        search.results[Candidate.from_key(key)] = (int(temp), float(flops))
+    search = _new_search(loss_fn, args, argnums, max_compiles, known)
+    offload, notes = _offload_choice(offload)
 
-    notes = []
-    measurable = _offload_measurable()
-    if offload is None:
-        offload = measurable
-        if not measurable:
-            notes.append(
-                f"offload not measurable here ({jax.default_backend()}: host offload is the "
-                "identity on CPU); plans with offload were not searched"
-            )
-
-    full = Candidate(save=frozenset())
-    no_remat = Candidate(no_remat=True)
-    every = Candidate(save=names)
-    first = [no_remat, every, full]
-    if presets:
-        first += [Candidate(preset=p) for p in PRESETS[1:]]  # "nothing" is `full`.
-    search.measure_many(first)
+    no_remat, every, full = _measure_first_round(search, names, presets)
     _, base_flops = search.results[no_remat]
     lo, _ = search.results[full]
     predicted: dict[Candidate, int] = {}
     if not search.fitting(budget):
-        if checkpoints:
-            with contextlib.suppress(_OutOfCompiles):
-                search.measure(Candidate(checkpoints="sqrt"))
-        if offload:
-            with contextlib.suppress(_OutOfCompiles):
-                search.measure(Candidate(offload=names))
-                search.measure(Candidate(offload=names, checkpoints="sqrt"))
+        _measure_below_full_remat(search, names, checkpoints, offload)
         if not search.fitting(budget):
-            (t_min, key_min) = min((t, c.key) for c, (t, _) in search.results.items())
-            raise ValueError(
-                _below_reach_message(
-                    caller,
-                    budget,
-                    t_min,
-                    key_min,
-                    names,
-                    checkpoints,
-                    None if offload else (notes[0] if notes else "not searched: offload=False"),
-                )
-            )
+            raise _below_reach_error(search, caller, budget, names, checkpoints, offload, notes)
     elif not search.results[no_remat][0] <= budget:
-        hi = search.results[every][0]
-        total = sum(e.bytes for e in estimates)
-        scale = (hi - lo) / total if total else 0.0
-        for s, p in _greedy(search, _rank(estimates), budget, lo, scale).items():
-            predicted[Candidate(save=s)] = p
+        predicted = _search_names(search, estimates, budget, lo, search.results[every][0])
     flops, temp, best = search.fitting(budget)[0]
 
     step = base_step = None
     if time:
         step, base_step = _time_gradients(search, [best, no_remat])
-    if best.no_remat:
-        save, recompute = names, frozenset()
-    elif best.preset is not None:
-        save, recompute = frozenset(), frozenset()
-    else:
-        save, recompute = best.save, names - best.save - best.offload
+    save, recompute = _saved_and_recomputed(best, names)
     return RematPlan(
         save=save,
         recompute=recompute,

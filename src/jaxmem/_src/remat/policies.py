@@ -510,6 +510,39 @@ def selective(*, also_recompute: Iterable[str] = (), allow_unknown: bool = False
     return Selective(tuple(sorted({*ATTENTION_CORE, *extra})))
 
 
+def _check_policy(p: Any, i: int, caller: str) -> None:
+    """Raises TypeError unless ``policies[i]`` is callable and hashable."""
+    if not callable(p):
+        raise TypeError(
+            f"{caller}: policies[{i}] is {type(p).__name__} ({p!r}); expected a remat policy "
+            "(jaxmem.policies or jax.checkpoint_policies)."
+        )
+    try:
+        hash(p)
+    except TypeError as e:
+        raise TypeError(
+            f"{caller}: policies[{i}] ({p!r}) is not hashable; policies must be hashable to "
+            "be static arguments of jax.jit. Use a frozen dataclass."
+        ) from e
+
+
+def _check_one_action_per_name(policies: Iterable[Any], caller: str) -> None:
+    """Raises ValueError if two of ``policies`` give one name different explicit actions."""
+    words = {"device": "saved on the device", "offload": "offloaded", "remat": "recomputed"}
+    seen: dict[str, tuple[str, Any]] = {}
+    for p in policies:
+        if not isinstance(p, Policy):
+            continue
+        for n, action in p.explicit_actions().items():
+            if n in seen and seen[n][0] != action:
+                a0, p0 = seen[n]
+                raise ValueError(
+                    f"{caller}: {n!r} is {words[a0]} by {p0!r} and {words[action]} by {p!r}; "
+                    "give each name one action (remove it from one of them)."
+                )
+            seen.setdefault(n, (action, p))
+
+
 def either(*policies: Callable[..., Any]) -> Policy:
     """Combines policies: a value is kept if any of them keeps it (also spelled ``a | b``).
 
@@ -546,34 +579,11 @@ def either(*policies: Callable[..., Any]) -> Policy:
         raise TypeError(f"{caller} needs at least one policy, e.g. either(dots, save('mlp_act')).")
     flat: list[Callable[..., Any]] = []
     for i, p in enumerate(policies):
-        if not callable(p):
-            raise TypeError(
-                f"{caller}: policies[{i}] is {type(p).__name__} ({p!r}); expected a remat policy "
-                "(jaxmem.policies or jax.checkpoint_policies)."
-            )
-        try:
-            hash(p)
-        except TypeError as e:
-            raise TypeError(
-                f"{caller}: policies[{i}] ({p!r}) is not hashable; policies must be hashable to "
-                "be static arguments of jax.jit. Use a frozen dataclass."
-            ) from e
+        _check_policy(p, i, caller)
         for q in p.policies if isinstance(p, Either) else (p,):
             if q not in flat:
                 flat.append(q)
-    words = {"device": "saved on the device", "offload": "offloaded", "remat": "recomputed"}
-    seen: dict[str, tuple[str, Any]] = {}
-    for p in flat:
-        if not isinstance(p, Policy):
-            continue
-        for n, action in p.explicit_actions().items():
-            if n in seen and seen[n][0] != action:
-                a0, p0 = seen[n]
-                raise ValueError(
-                    f"{caller}: {n!r} is {words[a0]} by {p0!r} and {words[action]} by {p!r}; "
-                    "give each name one action (remove it from one of them)."
-                )
-            seen.setdefault(n, (action, p))
+    _check_one_action_per_name(flat, caller)
     if len(flat) == 1:
         return flat[0]  # type: ignore[return-value]
     return Either(tuple(flat))
