@@ -24,7 +24,7 @@ import jaxmem
 from jaxmem import offload
 from jaxmem._src import offload as offload_src
 from jaxmem._src.listing import saved_residuals
-from tests.helpers import assert_trees_equal, lower_text, placements
+from tests.helpers import assert_trees_close, assert_trees_equal, lower_text, placements
 
 L, B, D, F = 3, 2, 4, 8
 SCAN_MODES = ("residuals", "carries", "all", "names")
@@ -351,9 +351,11 @@ def test_fetch_params_with_lax_scan_matches_device_params():
 
     grad_fn = jax.value_and_grad(loss(offload.fetch_params(plain_block)), argnums=(0, 1))
     ref = jax.jit(jax.value_and_grad(loss(plain_block), argnums=(0, 1)))(params, x0)
-    for fn in (grad_fn, jax.jit(grad_fn)):
+    # Compiled alike, bit-identical; run op by op, the loss's sum may round differently (by one
+    # ulp on jax 0.12.1), the gradients alike.
+    for fn, same in ((grad_fn, assert_trees_close), (jax.jit(grad_fn), assert_trees_equal)):
         value, (g_params, g_x0) = fn(host, x0)
-        assert_trees_equal((value, (g_params, g_x0)), ref)
+        same((value, (g_params, g_x0)), ref)
         assert memory_kinds(g_params) == {"pinned_host"}  # Cotangents live where params do.
 
 
