@@ -28,7 +28,7 @@ import dataclasses
 import functools
 import json
 import pathlib
-import time
+import textwrap
 from collections.abc import Sequence
 
 import jax
@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxmem
+from benchmarks import harness
 from benchmarks.harness import compiled_flops, format_mib, time_interleaved
 
 MiB = 2**20
@@ -316,9 +317,9 @@ def measure(sizes: Sizes, rounds: int, model: str = "gpt") -> dict:
         peak, flops, comp = compiled_figures(fn, args)
         policies[label] = dict(peak=peak, flops=flops, program=comp)
     spread = max(largest_error(p["program"](*args), want) for p in policies.values())
-    t = time.perf_counter()
-    lean = jaxmem.optimize(default, budget=2**62).budget_plan(*args)
-    planning = time.perf_counter() - t  # the other budgets reuse its compiles
+    lean, planning = harness.wall_seconds(  # the other budgets reuse its compiles
+        lambda: jaxmem.optimize(default, budget=2**62).budget_plan(*args)
+    )
     lean_peak = next(t.peak_bytes for t in lean.trials if t.key == "lean, no remat")
     plans, programs = [], {}  # the chosen setting -> jax.jit(optimized) compiled in full
     for b in budgets(policies, lean_peak):
@@ -377,32 +378,38 @@ def measure(sizes: Sizes, rounds: int, model: str = "gpt") -> dict:
 
 
 def table(result: dict) -> str:
+    policies = [
+        [k, format_mib(p["peak"]), f"{p['flops'] / 1e9:.3f}", f"{p['seconds'] * 1e3:.2f} ms"]
+        for k, p in result["policies"].items()
+    ]
+    plans = []
+    for p in result["plans"]:
+        least = p["least_policy_flops"]
+        plans.append(
+            [
+                format_mib(p["budget"]),
+                p["chosen"],
+                format_mib(p["peak"]),
+                f"{p['flops'] / 1e9:.3f}",
+                f"{p['flops'] / least:.4f}x" if least else "n/a (no policy fits)",
+                f"{p['seconds'] * 1e3:.2f} ms",
+                f"{p['error']:.1e}",
+            ]
+        )
+    plans_head = ["B", "chosen", "peak", "GFLOPs", "/ least-FLOPs policy that fits", "time", "err"]
+    t = result["time"]
     lines = [
         f"{result['model']}: jax {result['jax']} ({result['backend']}), {result['sizes']}",
         "framework policies:",
-    ]
-    for k, p in result["policies"].items():
-        lines.append(
-            f"  {k:34s} peak {format_mib(p['peak']):>12s}  {p['flops'] / 1e9:7.3f} GFLOPs  "
-            f"{p['seconds'] * 1e3:8.2f} ms"
-        )
-    lines.append(f"  (their outputs differ from the default's by {result['policy_spread']:.1e})")
-    lines.append("optimize(step, budget=B):")
-    for p in result["plans"]:
-        least = p["least_policy_flops"]
-        ratio = f"{p['flops'] / least:.4f}x" if least else "n/a (no policy fits)"
-        lines.append(
-            f"  B {format_mib(p['budget']):>12s}: {p['chosen']:34s} peak {format_mib(p['peak'])}"
-            f"  {p['flops'] / 1e9:7.3f} GFLOPs ({ratio} the least-FLOPs policy that fits)  "
-            f"{p['seconds'] * 1e3:8.2f} ms  err {p['error']:.1e}"
-        )
-    lines.append(f"  planned in {result['planning_s']:.1f} s (first trace; other budgets reuse it)")
-    t = result["time"]
-    lines.append(
+        textwrap.indent(harness.table(["policy", "peak", "GFLOPs", "time"], policies), "  "),
+        f"  (their outputs differ from the default's by {result['policy_spread']:.1e})",
+        "optimize(step, budget=B):",
+        textwrap.indent(harness.table(plans_head, plans, align="rl"), "  "),
+        f"  planned in {result['planning_s']:.1f} s (first trace; other budgets reuse it)",
         f'objective="time", B {format_mib(t["budget"])}: {t["chosen"]}, peak '
         f"{format_mib(t['peak'])}, {t['seconds'] * 1e3:.2f} ms vs {t['fastest_policy']} "
-        f"{t['fastest_seconds'] * 1e3:.2f} ms: {t['ratio']:.3f}x"
-    )
+        f"{t['fastest_seconds'] * 1e3:.2f} ms: {t['ratio']:.3f}x",
+    ]
     return "\n".join(lines)
 
 

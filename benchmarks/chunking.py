@@ -32,6 +32,7 @@ import json
 import pathlib
 import platform
 import sys
+import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,7 +42,7 @@ import numpy as np
 import optax
 
 import jaxmem
-from benchmarks.harness import MIN_REPEATS, format_mib, time_interleaved
+from benchmarks.harness import MIN_REPEATS, format_mib, table, time_interleaved
 from jaxmem.demo import models
 from jaxmem.losses import linear_cross_entropy
 
@@ -283,20 +284,31 @@ def _ratio(x: float | None) -> str:
 def _tables(defaults, rows, ce_time, mlp, gpt) -> str:
     mib = format_mib
     out = ["Cross-entropy at everyone's defaults: temp of the value-and-gradient"]
+    head = ["N", "D", "V", "naive", "autochunk", "(tiles)", "linCE", "linCE@ac", "tokamax"]
+    head += ["ac/linCE", "ac/@ac", "ac/tokamax"]
     out.append(
-        f"{'N D V':>18} {'naive':>11} {'autochunk':>10} {'(tiles)':>12} {'linCE':>10} "
-        f"{'linCE@ac':>10} {'tokamax':>10} {'ac/linCE':>9} {'ac/@ac':>8} {'ac/tokamax':>10}"
-    )
-    for r in defaults:
-        tiles = f"{r['tiles'][0]}x{r['tiles'][1]}"
-        out.append(
-            f"{r['N']:>6} {r['D']:>5} {r['V']:>5} {mib(r['naive']):>11} {mib(r['autochunk']):>10} "
-            f"{tiles:>12} {mib(r['linear_cross_entropy']):>10} "
-            f"{mib(r['linear_cross_entropy_same_tiles']):>10} {mib(r['tokamax']):>10} "
-            f"{_ratio(r['autochunk_over_linear_cross_entropy']):>9} "
-            f"{_ratio(r['autochunk_over_linear_cross_entropy_same_tiles']):>8} "
-            f"{_ratio(r['autochunk_over_tokamax']):>10}"
+        table(
+            head,
+            [
+                [
+                    r["N"],
+                    r["D"],
+                    r["V"],
+                    mib(r["naive"]),
+                    mib(r["autochunk"]),
+                    f"{r['tiles'][0]}x{r['tiles'][1]}",
+                    mib(r["linear_cross_entropy"]),
+                    mib(r["linear_cross_entropy_same_tiles"]),
+                    mib(r["tokamax"]),
+                    _ratio(r["autochunk_over_linear_cross_entropy"]),
+                    _ratio(r["autochunk_over_linear_cross_entropy_same_tiles"]),
+                    _ratio(r["autochunk_over_tokamax"]),
+                ]
+                for r in defaults
+            ],
+            align="r",
         )
+    )
     out.append(
         "  linCE: linear_cross_entropy at its defaults; linCE@ac: at autochunk's tiles (tokens x "
         "vocabulary); tokamax: linear_softmax_cross_entropy_loss(implementation='chunked_xla') "
@@ -307,18 +319,28 @@ def _tables(defaults, rows, ce_time, mlp, gpt) -> str:
         f"\nChunks of tokens only (autochunk(columns=False)), N={rows['N']} D={rows['D']} "
         f"V={rows['V']}: naive temp {mib(rows['naive'])}"
     )
+    head = ["chunk (rows | cols)", "block", "autochunk", "linCE rows", "linCE cols", "jax-cce"]
+    head += ["ac/rows", "ac/cols", "ac/naive"]
     out.append(
-        f"{'chunk (rows | cols)':>20} {'block':>10} {'autochunk':>11} {'linCE rows':>11} "
-        f"{'linCE cols':>11} {'jax-cce':>11} {'ac/rows':>8} {'ac/cols':>8} {'ac/naive':>9}"
-    )
-    for r in rows["rows"]:
-        out.append(
-            f"{r['chunk_rows']:>9} | {r['chunk_cols']:<8} {mib(r['block_bytes']):>10} "
-            f"{mib(r['autochunk']):>11} {mib(r['linear_cross_entropy_same_tiles']):>11} "
-            f"{mib(r['linear_cross_entropy']):>11} {mib(r['jax_cce']):>11} "
-            f"{r['autochunk_over_lce_same_tiles']:>8.3f} {r['autochunk_over_lce']:>8.3f} "
-            f"{r['autochunk_over_naive']:>9.4f}"
+        table(
+            head,
+            [
+                [
+                    f"{r['chunk_rows']} | {r['chunk_cols']}",
+                    mib(r["block_bytes"]),
+                    mib(r["autochunk"]),
+                    mib(r["linear_cross_entropy_same_tiles"]),
+                    mib(r["linear_cross_entropy"]),
+                    mib(r["jax_cce"]),
+                    f"{r['autochunk_over_lce_same_tiles']:.3f}",
+                    f"{r['autochunk_over_lce']:.3f}",
+                    f"{r['autochunk_over_naive']:.4f}",
+                ]
+                for r in rows["rows"]
+            ],
+            align="r",
         )
+    )
     out.append(
         "  linCE rows: linear_cross_entropy at the same chunking (token tiles of `rows`, the "
         "vocabulary whole); linCE cols: at the same block bytes in vocabulary chunks of `cols`"
@@ -328,11 +350,12 @@ def _tables(defaults, rows, ce_time, mlp, gpt) -> str:
             f"\nCE time N={ce_time['N']} D={ce_time['D']} V={ce_time['V']}, everyone at its "
             f"defaults, {ce_time['repeats']} interleaved rounds (median of the per-round ratio):"
         )
-        for k, t in ce_time["times"].items():
-            out.append(
-                f"  {k:<26} {t['median_s'] * 1e3:8.1f} ms  x{t['over_naive']:.3f} naive  "
-                f"max rel. err {t['rel_err']:.1e}"
-            )
+        times = [
+            [k, f"{t['median_s'] * 1e3:.1f} ms", f"x{t['over_naive']:.3f}", f"{t['rel_err']:.1e}"]
+            for k, t in ce_time["times"].items()
+        ]
+        head = ["loss", "median", "/ naive", "max rel. err"]
+        out.append(textwrap.indent(table(head, times), "  "))
     out.append(
         f"\nMLP head N={mlp['N']} d={mlp['d']} (hidden 4d): naive {mib(mlp['naive'])}, "
         f"autochunk {mib(mlp['autochunk'])} (x{mlp['autochunk_over_naive']:.3f})"
@@ -343,15 +366,17 @@ def _tables(defaults, rows, ce_time, mlp, gpt) -> str:
         f"\nGPT-2-small-shaped training step ({c['layers']} layers, d {c['d_model']}, vocab "
         f"{c['vocab']}, batch {c['batch']} x seq {c['seq']}): gradient temp"
     )
+    head = ["step", "temp", "/ as written"]
+    if "time" in gpt:
+        head += ["time", "/ as written", "max rel. err"]
+    steps = []
     for k, t in gpt["temp"].items():
-        line = f"  {k:<26} {mib(t):>12}  x{gpt['temp_over_written'][k]:.3f}"
+        row = [k, mib(t), f"x{gpt['temp_over_written'][k]:.3f}"]
         if "time" in gpt:
             tt = gpt["time"][k]
-            line += (
-                f"   time {tt['median_s']:.2f} s x{tt['over_written']:.2f}  "
-                f"max rel. err {tt['rel_err']:.1e}"
-            )
-        out.append(line)
+            row += [f"{tt['median_s']:.2f} s", f"x{tt['over_written']:.2f}", f"{tt['rel_err']:.1e}"]
+        steps.append(row)
+    out.append(textwrap.indent(table(head, steps), "  "))
     out.append(gpt["report"])
     return "\n".join(out)
 

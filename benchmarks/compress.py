@@ -41,7 +41,7 @@ import numpy as np
 
 import jaxmem
 from benchmarks import cases as _cases
-from benchmarks.harness import format_mib, time_interleaved
+from benchmarks.harness import format_mib, table, time_interleaved
 
 FORMATS = (None, "bf16", "fp8", "int8")
 
@@ -228,36 +228,61 @@ def measure_stack(shape: Stack, timed: bool, repeats: int) -> dict[str, Any]:
 
 def format_stack(res: dict[str, Any]) -> str:
     d0, d1 = res["shape"]["layers"]
-    head = (
-        f"{'format':<6} {'kept@' + str(d0):>11} {'temp@' + str(d0):>11} {'x':>6} "
-        f"{'growth/' + str(d1 - d0):>11} {'x':>6} {'flops x':>8} {'time':>9} {'x':>6} "
-        f"{'grad err':>9} {'fwd=':>5}"
-    )
-    lines = [f"Transformer stack {res['shape']}: gradient, per format", head]
+    head = [
+        "format",
+        f"kept@{d0}",
+        f"temp@{d0}",
+        "x",
+        f"growth/{d1 - d0}",
+        "x",
+        "flops x",
+        "time",
+        "x",
+        "grad err",
+        "fwd=",
+        "",
+    ]
+    rows = []
     for label, r in res["rows"].items():
         bar = BARS.get(label, {})
         time_s = r.get("median_s")
-        lines.append(
-            f"{label:<6} {format_mib(r['kept'][d0]):>11} {format_mib(r['temp'][d0]):>11} "
-            f"{r['temp_ratio']:>5.3f}x {format_mib(r['growth']):>11} {r['growth_ratio']:>5.3f}x "
-            f"{(r['flops_ratio'] or 0):>7.4f}x "
-            f"{'-' if time_s is None else f'{time_s * 1e3:.1f} ms':>9} "
-            f"{r.get('time_ratio', 0):>5.2f}x {r['grad_err']:>9.2e} "
-            f"{'yes' if r['forward_identical'] else 'NO':>5}"
+        rows.append(
+            [
+                label,
+                format_mib(r["kept"][d0]),
+                format_mib(r["temp"][d0]),
+                f"{r['temp_ratio']:.3f}x",
+                format_mib(r["growth"]),
+                f"{r['growth_ratio']:.3f}x",
+                f"{(r['flops_ratio'] or 0):.4f}x",
+                "-" if time_s is None else f"{time_s * 1e3:.1f} ms",
+                f"{r.get('time_ratio', 0):.2f}x",
+                f"{r['grad_err']:.2e}",
+                "yes" if r["forward_identical"] else "NO",
+            ]
         )
         if bar:
-            lines.append(
-                f"{'  bars':<6} {'':>11} {'':>11} {bar['temp']:>5.2f}x {'':>11} "
-                f"{bar['growth']:>5.2f}x {bar['flops']:>7.2f}x {'':>9} {'':>6} "
-                f"{bar['grad_err']:>9.0e}   met: "
-                + ", ".join(k for k, ok in r["meets"].items() if ok)
-                + (
-                    ""
-                    if all(r["meets"].values())
-                    else "; MISSED: " + ", ".join(k for k, ok in r["meets"].items() if not ok)
-                )
+            met = "met: " + ", ".join(k for k, ok in r["meets"].items() if ok)
+            if not all(r["meets"].values()):
+                met += "; MISSED: " + ", ".join(k for k, ok in r["meets"].items() if not ok)
+            rows.append(
+                [
+                    "  bars",
+                    "",
+                    "",
+                    f"{bar['temp']:.2f}x",
+                    "",
+                    f"{bar['growth']:.2f}x",
+                    f"{bar['flops']:.2f}x",
+                    "",
+                    "",
+                    f"{bar['grad_err']:.0e}",
+                    "",
+                    met,
+                ]
             )
-    return "\n".join(lines)
+    title = f"Transformer stack {res['shape']}: gradient, per format"
+    return title + "\n" + table(head, rows, align="l" + "r" * 10 + "l")
 
 
 # ------------------------------------------------------------------------------------------
@@ -292,18 +317,25 @@ def measure_cases(names: Sequence[str]) -> dict[str, Any]:
 
 
 def format_cases(res: dict[str, Any]) -> str:
-    lines = ["Design cases: gradient, per format (ratios against compress=None)"]
-    head = f"{'case':<20} {'format':<6} {'kept':>11} {'temp':>11} {'x':>6} {'flops x':>8}"
-    lines.append(f"{head} {'grad err':>9}")
-    for name, rows in res.items():
-        base = rows["none"]
-        for label, r in rows.items():
+    rows = []
+    for name, by_format in res.items():
+        base = by_format["none"]
+        for label, r in by_format.items():
             flops = r["flops"] / base["flops"] if base["flops"] else float("nan")
-            lines.append(
-                f"{name:<20} {label:<6} {format_mib(r['kept']):>11} {format_mib(r['temp']):>11} "
-                f"{r['temp'] / base['temp']:>5.3f}x {flops:>7.4f}x {r['grad_err']:>9.2e}"
+            rows.append(
+                [
+                    name,
+                    label,
+                    format_mib(r["kept"]),
+                    format_mib(r["temp"]),
+                    f"{r['temp'] / base['temp']:.3f}x",
+                    f"{flops:.4f}x",
+                    f"{r['grad_err']:.2e}",
+                ]
             )
-    return "\n".join(lines)
+    head = ["case", "format", "kept", "temp", "x", "flops x", "grad err"]
+    title = "Design cases: gradient, per format (ratios against compress=None)"
+    return title + "\n" + table(head, rows, align="ll")
 
 
 # ------------------------------------------------------------------------------------------
@@ -375,20 +407,26 @@ def measure_training(cfg: Train) -> dict[str, Any]:
 
 def format_training(res: dict[str, Any]) -> str:
     cfg = res["config"]
-    lines = [
-        f"Training: small GPT on the copy task, {cfg['steps']} steps of adamw; final loss = mean "
-        f"of the last {cfg['last']} (floor {res['floor']:.3f}, log(vocab) = "
-        f"{math.log(cfg['vocab']):.3f})",
-        f"{'format':<6} {'first':>7} {'final':>7} {'x':>7} {'bar':>6}",
-    ]
+    rows = []
     for label, r in res["rows"].items():
         bar = TRAIN_BARS.get(label)
-        met = "" if bar is None else ("  met" if r["meets"] else "  MISSED")
-        lines.append(
-            f"{label:<6} {r['first']:>7.3f} {r['final']:>7.4f} {r['ratio']:>6.4f}x "
-            f"{'' if bar is None else f'±{bar:.0%}':>6}{met}"
+        rows.append(
+            [
+                label,
+                f"{r['first']:.3f}",
+                f"{r['final']:.4f}",
+                f"{r['ratio']:.4f}x",
+                "" if bar is None else f"±{bar:.0%}",
+                "" if bar is None else ("met" if r["meets"] else "MISSED"),
+            ]
         )
-    return "\n".join(lines)
+    title = (
+        f"Training: small GPT on the copy task, {cfg['steps']} steps of adamw; final loss = mean "
+        f"of the last {cfg['last']} (floor {res['floor']:.3f}, log(vocab) = "
+        f"{math.log(cfg['vocab']):.3f})"
+    )
+    head = ["format", "first", "final", "x", "bar", ""]
+    return title + "\n" + table(head, rows, align="lrrrrl")
 
 
 def plot_training(res: dict[str, Any]):

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from benchmarks.harness import format_mib
+from benchmarks.harness import format_mib, table
 from jaxmem import policies
 from jaxmem.demo import models
 from jaxmem.flax import linen as jl
@@ -149,12 +149,10 @@ def measure_nnx(
 
 
 def _print_rows(rows: list[dict], stock: str, ours: str) -> None:
-    print(f"{'policy':<12} {stock:>12} {ours:>12} {'ratio':>7}")
-    for r in rows:
-        print(
-            f"{r['policy']:<12} {format_mib(r[stock]):>12} "
-            f"{format_mib(r[ours]):>12} {r['ratio']:>6.2f}x"
-        )
+    cells = [
+        [r["policy"], format_mib(r[stock]), format_mib(r[ours]), f"{r['ratio']:.2f}x"] for r in rows
+    ]
+    print(table(["policy", stock, ours, "ratio"], cells))
 
 
 def main(argv: list[str] | None = None) -> int:

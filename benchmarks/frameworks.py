@@ -73,7 +73,7 @@ import json
 import os
 import pathlib
 import sys
-import time
+import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -571,15 +571,7 @@ def format_table(results: Sequence[tuple[peers.Result, Claim | None]]) -> str:
                 format_mib(stock.temp_bytes - ours.temp_bytes),
             ]
         )
-    widths = [max(len(x[i]) for x in [head, *rows] if i < len(x)) for i in range(len(head))]
-
-    def line(cells: list[str]) -> str:
-        out = [cells[0].ljust(widths[0])]
-        out += [c.rjust(w) for c, w in zip(cells[1:], widths[1:], strict=False)]
-        return "  ".join(out).rstrip()
-
-    lines = [line(head), "  ".join("-" * w for w in widths)]
-    lines += [line(row) for row in rows]
+    lines = [harness.table(head, rows)]
     lines += ["", "cases:"] + [f"  {r.name}: {r.description}" for r, _ in results]
     if notes:
         lines += ["", "skipped or failed:", *notes]
@@ -816,12 +808,11 @@ def budget_study(
                 # planning_s is with the cache emptied, planning_cached_s a second plan's.
                 jaxmem.clear_caches()
                 opt = jaxmem.optimize(study.steps[study.default], budget=b)
-                t = time.perf_counter()
-                plan = opt.budget_plan(*args)
-                row["planning_s"] = time.perf_counter() - t
-                t = time.perf_counter()
-                jaxmem.optimize(study.steps[study.default], budget=b).budget_plan(*args)
-                row["planning_cached_s"] = time.perf_counter() - t
+                plan, row["planning_s"] = harness.wall_seconds(opt.budget_plan, *args)
+                again = lambda step, b: jaxmem.optimize(step, budget=b).budget_plan(*args)
+                _, row["planning_cached_s"] = harness.wall_seconds(
+                    again, study.steps[study.default], b
+                )
                 row["chosen"] = plan.chosen.key
                 row["planned_peak"] = plan.chosen.peak_bytes
                 row["planned_flops"] = plan.chosen.flops
@@ -942,35 +933,45 @@ def format_budget_table(studies: Sequence[dict[str, Any]]) -> str:
     """Per study: each own choice's peak and GFLOPs; each budget's chosen setting, its compiled
     peak, its FLOPs over the fewest of the own choices that fit, planning seconds and error."""
     lines = []
+    indent = lambda text: textwrap.indent(text, "    ")
     for st in studies:
         lines += [f"{st['name']}: {st.get('description', '')}", "  framework's own choices:"]
+        own = []
         for label, p in st["policies"].items():
             if "peak" not in p:
-                lines.append(f"    {label:40s} failed to compile")
+                own.append([label, "-", "-", "failed to compile"])
                 continue
-            mark = "  (default)" if label == st.get("default") else ""
-            lines.append(
-                f"    {label:40s} peak {format_mib(p['peak']):>12s}  "
-                f"{p['flops'] / 1e9:8.4f} GFLOPs{mark}"
-            )
+            mark = "(default)" if label == st.get("default") else ""
+            own.append([label, format_mib(p["peak"]), f"{p['flops'] / 1e9:.4f}", mark])
+        if own:
+            lines.append(indent(harness.table(["choice", "peak", "GFLOPs", ""], own, align="lrrl")))
         if "policy_spread" in st:
             lines.append(f"    (outputs differ from the default's by {st['policy_spread']:.1e})")
         if st["plans"]:
             lines.append(f"  jaxmem.optimize({st.get('default', 'step')} step, budget=B):")
+        plans = []
         for p in st["plans"]:
-            head = f"    B {format_mib(p['budget']):>12s}: "
             if "exception" in p:
-                lines.append(head + "exception (see failures)")
+                plans.append([format_mib(p["budget"]), "exception (see failures)"])
                 continue
             least = p["least_policy_flops"]
-            ratio = f"{p['flops'] / least:.4f}x" if least else "n/a (no own choice fits)"
-            fits = "<= B" if p["peak"] <= p["budget"] else "> B !"
-            lines.append(
-                head + f"{p['chosen']:28s} peak {format_mib(p['peak']):>12s} ({fits})  "
-                f"{p['flops'] / 1e9:8.4f} GFLOPs, {ratio} the least-FLOPs own choice that fits  "
-                f"plan {p['planning_s']:.1f} s (cached {p['planning_cached_s']:.1f} s)  "
-                f"err {p['error']:.1e}"
+            plans.append(
+                [
+                    format_mib(p["budget"]),
+                    p["chosen"],
+                    format_mib(p["peak"]),
+                    "<= B" if p["peak"] <= p["budget"] else "> B !",
+                    f"{p['flops'] / 1e9:.4f}",
+                    f"{p['flops'] / least:.4f}x" if least else "n/a (no own choice fits)",
+                    f"{p['planning_s']:.1f} s",
+                    f"{p['planning_cached_s']:.1f} s",
+                    f"{p['error']:.1e}",
+                ]
             )
+        if plans:
+            head = ["B", "chosen", "peak", "fits", "GFLOPs", "/ least-FLOPs own choice that fits"]
+            head += ["plan", "plan cached", "err"]
+            lines.append(indent(harness.table(head, plans, align="rlrl")))
         if "no_budget" in st:
             n = st["no_budget"]
             lines.append(

@@ -13,9 +13,11 @@ What is measured follows docs/design.md §3:
 
 Every variant figure is also given as a ratio to the stock figure of the same run.
 
-This module is also the one timing loop (:func:`time_interleaved`) and the one bytes formatter
-(:func:`format_mib`: MiB, 2^20 bytes) of every benchmark (:mod:`benchmarks.losses`,
-:mod:`benchmarks.flax_stacks`).
+This module is also the one timing loop (:func:`time_interleaved`; one-shot wall times of
+planning: :func:`wall_seconds`), the one table formatter (:func:`table`) and the one bytes
+formatter (:func:`format_mib`: MiB, 2^20 bytes) of every benchmark (:mod:`benchmarks.losses`,
+:mod:`benchmarks.flax_stacks`, ...); ``tests/benchmarks/test_benchmarks.py`` checks that no other
+module times with ``time.perf_counter`` or aligns a table itself.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ import platform
 import statistics
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +46,8 @@ MIN_REPEATS = 7
 
 MIB = 2**20
 """Bytes in a MiB: the one unit of every benchmark table."""
+
+T = TypeVar("T")
 
 
 def compiled_flops(compiled) -> float:
@@ -91,11 +95,12 @@ class Timing:
 
 
 def time_interleaved(
-    fns: Mapping[str, Callable[..., Any]],
+    fns: Mapping[Any, Callable[..., Any]],
     *args: Any,
     repeats: int = MIN_REPEATS,
     settle: int = 1,
-) -> dict[str, Timing]:
+    setup: Callable[[Any], Sequence[Any]] | None = None,
+) -> dict[Any, Timing]:
     """Times functions on the same arguments: warm, in interleaved rounds, min and median.
 
     docs/design.md §3: same process; each function is first run once (compiling it if it is
@@ -114,6 +119,9 @@ def time_interleaved(
       repeats: Timed runs per function.
       settle: Untimed runs of a function right before each of its timed runs (0: plain
         A B A B, each timed run right after the other functions' runs).
+      setup: Called untimed with a function's label before each of its runs (warm-up, settling
+        and timed); what it returns is that run's arguments instead of ``args`` (e.g. a fresh
+        function to trace, so that no trace cache carries over from one run to the next).
 
     Returns:
       Label -> its timing, in the order of ``fns``.
@@ -126,19 +134,123 @@ def time_interleaved(
     """
     if repeats < 1 or settle < 0:
         raise ValueError(f"time_interleaved: repeats >= 1 and settle >= 0, got {repeats}, {settle}")
-    outputs = {label: jax.block_until_ready(fn(*args)) for label, fn in fns.items()}  # warm-up
-    samples: dict[str, list[float]] = {label: [] for label in fns}
+    arguments = (lambda label: args) if setup is None else setup
+    outputs = {  # warm-up
+        label: jax.block_until_ready(fn(*arguments(label))) for label, fn in fns.items()
+    }
+    samples: dict[Any, list[float]] = {label: [] for label in fns}
     for _ in range(repeats):
         for label, fn in fns.items():
             for _ in range(settle):
-                jax.block_until_ready(fn(*args))
+                jax.block_until_ready(fn(*arguments(label)))
+            run_args = arguments(label)
             start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
+            jax.block_until_ready(fn(*run_args))
             samples[label].append(time.perf_counter() - start)
     return {
         label: Timing(min(ts), statistics.median(ts), tuple(ts), outputs[label])
         for label, ts in samples.items()
     }
+
+
+def wall_seconds(fn: Callable[..., T], *args: Any) -> tuple[T, float]:
+    """Runs ``fn(*args)`` once; returns its result and the wall seconds it took.
+
+    For one-shot costs that are not step times (planning a budget, a first trace), so that no
+    other module reads the clock: step times go through :func:`time_interleaved`.
+
+    Examples:
+      >>> result, seconds = wall_seconds(divmod, 7, 2)
+      >>> result, seconds >= 0
+      ((3, 1), True)
+    """
+    start = time.perf_counter()
+    result = fn(*args)
+    return result, time.perf_counter() - start
+
+
+def table(
+    headers: Sequence[str] | None,
+    rows: Iterable[Sequence[Any] | str],
+    *,
+    align: str = "l",
+    groups: Sequence[tuple[str, int]] | None = None,
+    markdown: bool = False,
+) -> str:
+    """Renders a text table: the one table formatter of every benchmark.
+
+    Args:
+      headers: The column names, or None for rows alone (no header line, no rule).
+      rows: Each a sequence of cells (``str()`` of each; a row shorter than the others leaves
+        its last cells blank), or a ``str``: a line of its own between the rows (a section
+        title), as it is, not counted in the column widths.
+      align: A letter per column, ``"l"`` (left) or ``"r"`` (right); the columns past its end
+        are right-aligned (the default: the first column left, numbers right).
+      groups: ``(label, number of columns)`` spans, in order, for a line above the header with
+        each label centred over its columns in dashes (``""``: blank); plain tables only.
+      markdown: A GitHub-flavoured markdown table (``| a | b |`` rows under a ``|---|---:|``
+        rule) instead of plain text (columns two spaces apart, a dashed rule under the header,
+        blank under a blank header: a column of notes).
+
+    Returns:
+      The table's lines, joined by newlines, without trailing spaces in plain text.
+
+    Examples:
+      >>> print(table(["case", "temp"], [["rnn", "1.0 MiB"], ["long name", "12.0 MiB"]]))
+      case           temp
+      ---------  --------
+      rnn         1.0 MiB
+      long name  12.0 MiB
+      >>> print(table(["case", "x"], [["rnn", "x0.50"]], markdown=True))
+      | case |     x |
+      |------|------:|
+      | rnn  | x0.50 |
+    """
+    if markdown and groups:
+        raise ValueError("table: groups are for plain tables only")
+    if align.strip("lr"):
+        raise ValueError(f"table: align takes 'l' and 'r' letters, got {align!r}")
+    body = [r if isinstance(r, str) else [str(c) for c in r] for r in rows]
+    head = None if headers is None else [str(h) for h in headers]
+    grid = [r for r in [head, *body] if isinstance(r, list)]
+    ncols = max((len(r) for r in grid), default=0)
+    widths = [max(len(r[i]) for r in grid if i < len(r)) for i in range(ncols)]
+    if markdown:
+        widths = [max(w, 1) for w in widths]
+    right = [(align[i] if i < len(align) else "r") == "r" for i in range(ncols)]
+    # A group label wider than its columns widens the last of them.
+    start = 0
+    for label, span in groups or ():
+        missing = len(label) - (sum(widths[start : start + span]) + 2 * (span - 1))
+        if missing > 0:
+            widths[start + span - 1] += missing
+        start += span
+
+    def line(row: list[str]) -> str:
+        row = row + [""] * (ncols - len(row))
+        padded = [
+            c.rjust(w) if r else c.ljust(w) for c, w, r in zip(row, widths, right, strict=True)
+        ]
+        return f"| {' | '.join(padded)} |" if markdown else "  ".join(padded).rstrip()
+
+    lines = []
+    if groups:
+        spans, start = [], 0
+        for label, span in groups:
+            width = sum(widths[start : start + span]) + 2 * (span - 1)
+            spans.append(label.center(width, "-") if label else " " * width)
+            start += span
+        lines.append("  ".join(spans).rstrip())
+    if head is not None:
+        head += [""] * (ncols - len(head))
+        if markdown:
+            rule = ["-" * (w + 1) + (":" if r else "-") for w, r in zip(widths, right, strict=True)]
+            lines += [line(head), f"|{'|'.join(rule)}|"]
+        else:  # no rule under a blank header (a column of notes)
+            rule = [("-" if h.strip() else " ") * w for h, w in zip(head, widths, strict=True)]
+            lines += [line(head), "  ".join(rule).rstrip()]
+    lines += [r if isinstance(r, str) else line(r) for r in body]
+    return "\n".join(lines)
 
 
 @dataclasses.dataclass
@@ -426,28 +538,7 @@ def format_table(results: Sequence[CaseResult], *, timed: bool) -> str:
                 row += [_x(r.ratio(label, "time_min_s")), _x(r.ratio(label, "time_median_s"))]
         rows.append(row)
         errors += [f"{r.name} / {c.label}: {c.error}" for c in r.columns.values() if c.error]
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    # Widen the last column of a group whose label is wider than its columns.
-    start = 0
-    for label, names in groups:
-        span = slice(start, start + len(names))
-        missing = len(label) - (sum(widths[span]) + 2 * (len(names) - 1))
-        if missing > 0:
-            widths[span.stop - 1] += missing
-        start = span.stop
-
-    def line(cells: list[str]) -> str:
-        out = [cells[0].ljust(widths[0])]
-        out += [c.rjust(w) for c, w in zip(cells[1:], widths[1:], strict=True)]
-        return "  ".join(out).rstrip()
-
-    group_cells, start = [], 0
-    for label, names in groups:
-        span_width = sum(widths[start : start + len(names)]) + 2 * (len(names) - 1)
-        group_cells.append(label.center(span_width, "-") if label else " " * span_width)
-        start += len(names)
-    lines = ["  ".join(group_cells).rstrip(), line(header), "  ".join("-" * w for w in widths)]
-    lines += [line(row) for row in rows]
+    lines = [table(header, rows, groups=[(label, len(names)) for label, names in groups])]
     if errors:
         lines += ["", "errors:"] + [f"  {e}" for e in errors]
     return "\n".join(lines)

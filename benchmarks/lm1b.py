@@ -25,6 +25,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from benchmarks import harness
 from benchmarks.harness import format_mib
 from benchmarks.models import lm1b_model
 from jaxmem import policies
@@ -120,18 +121,16 @@ def measure(sizes: Sizes, compiler_options: dict | None = None) -> list[dict]:
 def table(sizes: Sizes, rows: list[dict]) -> str:
     """The rows as the printed table."""
     s = sizes
-    lines = [
+    cells = [
+        [r["policy"], format_mib(r["nn_scan"]), format_mib(r["jaxmem"]), f"{r['ratio']:.2f}x"]
+        for r in rows
+    ]
+    return (
         f"lm1b decoder layer x{s.layers}, B={s.batch} S={s.seq} emb={s.emb} mlp={s.mlp} "
         f"heads={s.heads}, f32, dropout on; temp of jit(grad) "
-        f"(jax {jax.__version__}, {jax.default_backend()})",
-        f"{'policy':<12} {'nn.scan':>12} {'jaxmem':>12} {'ratio':>7}",
-    ]
-    for r in rows:
-        lines.append(
-            f"{r['policy']:<12} {format_mib(r['nn_scan']):>12} "
-            f"{format_mib(r['jaxmem']):>12} {r['ratio']:>6.2f}x"
-        )
-    return "\n".join(lines)
+        f"(jax {jax.__version__}, {jax.default_backend()})\n"
+        + harness.table(["policy", "nn.scan", "jaxmem", "ratio"], cells)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -466,17 +466,6 @@ def _x(r: float | None) -> str:
     return "-" if r is None else f"x{r:.3f}"
 
 
-def _table(header: list[str], rows: list[list[str]], left: int = 2) -> list[str]:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-
-    def line(cells: list[str]) -> str:
-        out = [c.ljust(w) for c, w in zip(cells[:left], widths[:left], strict=True)]
-        out += [c.rjust(w) for c, w in zip(cells[left:], widths[left:], strict=True)]
-        return "  ".join(out).rstrip()
-
-    return [line(header), "  ".join("-" * w for w in widths), *(line(r) for r in rows)]
-
-
 def _errors(points: Sequence[Point]) -> list[str]:
     seen, out = set(), []
     for p in points:
@@ -519,7 +508,7 @@ def format_main(points: Sequence[Point], config: Config) -> str:
                     "-" if label == LAX else _err(c.grad_rel_err),
                 ]
             )
-    lines = _table(header, rows)
+    lines = [harness.table(header, rows, align="ll")]
     errors = _errors(points)
     return "\n".join(lines + (["", "errors:", *errors] if errors else []))
 
@@ -547,7 +536,7 @@ def format_sweep(points: Sequence[Point]) -> str:
                 _err(c.grad_rel_err),
             ]
         )
-    lines = _table(header, rows, left=1)
+    lines = [harness.table(header, rows)]
     if points:
         lax = points[0].columns[LAX]
         lines.insert(
@@ -561,7 +550,8 @@ def format_sweep(points: Sequence[Point]) -> str:
 
 def format_checks(checks: Sequence[Check]) -> str:
     """One line per criterion, then the overall verdict (SKIPPED ones counted apart)."""
-    lines = [f"{c.verdict:<7}  {c.name}: {c.detail}" for c in checks]
+    rows = [[c.verdict, f"{c.name}: {c.detail}"] for c in checks]
+    lines = [harness.table(None, rows, align="ll")] if rows else []
     skipped = sum(c.verdict == SKIPPED for c in checks)
     verdict = PASS if passed(checks) else FAIL
     lines.append(verdict + (f" ({skipped} skipped)" if skipped else ""))

@@ -65,6 +65,7 @@ import pathlib  # noqa: E402
 import platform  # noqa: E402
 import re  # noqa: E402
 import statistics  # noqa: E402
+import textwrap  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -75,7 +76,7 @@ import optax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from benchmarks.harness import MIN_REPEATS, format_mib, time_interleaved  # noqa: E402
+from benchmarks.harness import MIN_REPEATS, format_mib, table, time_interleaved  # noqa: E402
 from jaxmem import merge, residuals, trainable  # noqa: E402
 from jaxmem.losses import default_tiles, linear_cross_entropy  # noqa: E402
 
@@ -189,7 +190,7 @@ def bench_ce_sharded(n: int, d: int, v: int, chunks: Sequence[int]) -> dict[str,
 
 
 def _sharded_table(sh: dict[str, Any]) -> str:
-    rows = [("mesh", "loss", "temp / device", "/ naive", "w all-gathers", "dw sharding")]
+    rows = []
     for kind in ("auto", "explicit"):
         for i, (name, r) in enumerate(sh[kind].items()):
             rows.append(
@@ -202,14 +203,12 @@ def _sharded_table(sh: dict[str, Any]) -> str:
                     r["dw_spec"],
                 )
             )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = [" | ".join(c.ljust(wd) for c, wd in zip(r, widths, strict=True)) for r in rows]
-    lines.insert(1, "-+-".join("-" * wd for wd in widths))
+    head = ["mesh", "loss", "temp / device", "/ naive", "w all-gathers", "dw sharding"]
     title = (
         f"vocabulary-parallel CE, N={sh['N']} D={sh['D']} V={sh['V']} f32, "
         f"mesh data={sh['mesh']['data']} x model={sh['mesh']['model']}"
     )
-    return "\n".join([title, *lines])
+    return title + "\n" + table(head, rows, align="llrrrl", markdown=True)
 
 
 def time_ce(n: int, d: int, v: int, chunk: int, repeats: int = MIN_REPEATS) -> dict[str, Any]:
@@ -294,15 +293,21 @@ def _tiled_table(res: dict[str, Any]) -> str:
     rows = res["rows"]
     naive = rows["naive"]
     cce = {k: r for k, r in rows.items() if k.startswith("jax-cce")}
-    lines = [f"token-tiled CE N={res['N']} D={res['D']} V={res['V']} (value and grad, f32)"]
+    cells, head = [], ["loss", "temp", "/ naive"]
     for k, r in rows.items():
-        line = f"  {k:<24} temp {format_mib(r['temp']):>12} x{r['temp'] / naive['temp']:.4f}"
+        cells.append([k, format_mib(r["temp"]), f"x{r['temp'] / naive['temp']:.4f}"])
         if "median_s" in r:
-            line += (
-                f"  time {r['median_s']:.2f} s x{r['median_s'] / naive['median_s']:.2f}"
-                f"  max rel. err {r['max_rel_err']:.1e}"
-            )
-        lines.append(line)
+            cells[-1] += [
+                f"{r['median_s']:.2f} s",
+                f"x{r['median_s'] / naive['median_s']:.2f}",
+                f"{r['max_rel_err']:.1e}",
+            ]
+    if any("median_s" in r for r in rows.values()):
+        head += ["time", "/ naive", "max rel. err"]
+    lines = [
+        f"token-tiled CE N={res['N']} D={res['D']} V={res['V']} (value and grad, f32)",
+        textwrap.indent(table(head, cells), "  "),
+    ]
     tiled = rows["jaxmem tiled (default)"]
     if cce:
         smallest = min(cce.values(), key=lambda r: r["temp"])
@@ -429,32 +434,32 @@ def peers_bars(res: dict[str, Any]) -> dict[str, bool]:
 
 
 def _peers_table(results: Sequence[dict[str, Any]]) -> str:
-    lines = [
-        "linear_cross_entropy defaults vs peers "
-        f"(value and grad w.r.t. x, w; f32; jax {jax.__version__})"
-    ]
+    blocks: list[list[str] | str] = []
     for res in results:
         rows, ours = res["rows"], res["rows"]["jaxmem"]
         t, c = res["tiles"]
-        lines.append(
+        blocks.append(
             f"N={res['N']} D={res['D']} V={res['V']}: jaxmem tiles {t} x {c}; {res['tokamax']}"
         )
         for k, b in rows.items():
             mark = " (leanest)" if k == res.get("jax_cce_leanest") else ""
-            lines.append(
-                f"  {k + mark:<26} temp {format_mib(b):>12}  / naive {b / rows['naive']:.4f}"
-                f"  jaxmem / this {ours / b:.3f}"
+            blocks.append(
+                [f"  {k + mark}", format_mib(b), f"{b / rows['naive']:.4f}", f"{ours / b:.3f}"]
             )
         if "time" in res:
             tm = res["time"]
-            lines.append(
+            blocks.append(
                 f"  time: naive {tm['naive_median_s']:.2f} s, jaxmem {tm['jaxmem_median_s']:.2f} s;"
                 f" jaxmem / naive {tm['paired_ratio_median']:.3f} (median of {tm['rounds']} paired"
                 f" rounds), max rel. err {tm['max_rel_err']:.1e}"
             )
         for bar, ok in peers_bars(res).items():
-            lines.append(f"  {bar}: {ok}")
-    return "\n".join(lines)
+            blocks.append(f"  {bar}: {ok}")
+    title = (
+        "linear_cross_entropy defaults vs peers "
+        f"(value and grad w.r.t. x, w; f32; jax {jax.__version__})"
+    )
+    return title + "\n" + table(["loss", "temp", "/ naive", "jaxmem / this"], blocks)
 
 
 def _mlp(batch: int, width: int, layers: int = 6):
@@ -552,7 +557,6 @@ def bench_selective(batch: int, width: int, layers: int = 6) -> dict[str, Any]:
 
 def _table(ce: dict[str, Any], tm: dict[str, Any] | None, sel: dict[str, Any]) -> str:
     rows = [
-        ("case", "figure", "value"),
         (
             f"CE N={ce['N']} D={ce['D']} V={ce['V']} C={ce['chunk_size']}",
             "naive grad temp",
@@ -598,10 +602,7 @@ def _table(ce: dict[str, Any], tm: dict[str, Any] | None, sel: dict[str, Any]) -
         ("", "one jit, clip then mask: temp", format_mib(sel["one_jit_clip_then_mask_temp_bytes"])),
         ("", "trainable / clip then mask", f"{sel['trainable_over_one_jit_clip_then_mask']:.3f}"),
     ]
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    lines = [" | ".join(c.ljust(wd) for c, wd in zip(r, widths, strict=True)) for r in rows]
-    lines.insert(1, "-+-".join("-" * wd for wd in widths))
-    return "\n".join(lines)
+    return table(("case", "figure", "value"), rows, align="ll", markdown=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

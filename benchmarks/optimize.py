@@ -16,14 +16,13 @@ import argparse
 import dataclasses
 import json
 import pathlib
-import statistics
-import time
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
 import jaxmem
+from benchmarks import harness
 from benchmarks.harness import format_mib, time_interleaved
 
 
@@ -88,17 +87,19 @@ def variants(sizes: Sizes) -> dict:
 
 
 def trace_times(sizes: Sizes, repeats: int) -> dict[str, float]:
-    """Median seconds of tracing and lowering ``jit(grad)``, interleaved, fresh each time."""
+    """Median seconds of tracing and lowering ``jit(grad)``, interleaved, fresh each time.
+
+    Through :func:`~benchmarks.harness.time_interleaved`: each run gets a fresh function (its
+    ``setup``, untimed), so that nothing is cached between runs; one untimed warm-up trace each,
+    then ``repeats`` rounds A B C (``settle=0``: a trace leaves no device work behind it).
+    """
     args = make_args(sizes)
-    names = list(variants(sizes))
-    samples: dict[str, list[float]] = {n: [] for n in names}
-    for _ in range(repeats):
-        fns = variants(sizes)  # fresh functions: nothing cached between rounds
-        for name in names:
-            start = time.perf_counter()
-            jax.jit(jax.grad(fns[name])).lower(*args)
-            samples[name].append(time.perf_counter() - start)
-    return {n: statistics.median(s) for n, s in samples.items()}
+    lower = lambda fn: jax.jit(jax.grad(fn)).lower(*args)
+    fresh = lambda name: (variants(sizes)[name],)
+    times = time_interleaved(
+        dict.fromkeys(variants(sizes), lower), repeats=repeats, settle=0, setup=fresh
+    )
+    return {n: t.median_s for n, t in times.items()}
 
 
 def measure(sizes: Sizes, repeats: int) -> dict:
@@ -123,17 +124,22 @@ def measure(sizes: Sizes, repeats: int) -> dict:
 
 def table(result: dict) -> str:
     ref = "explicit jaxmem.scan"
-    lines = [
-        f"GPT-style stack {result['sizes']}, f32, jax {result['jax']}",
-        f"{'variant':<22} {'temp':>10} {'trace':>9} {'/expl':>6} {'step':>9} {'/expl':>6}",
-    ]
+    rows = []
     for n, t in result["temp"].items():
         tr, st = result["trace_s"][n], result["step_s"][n]
-        lines.append(
-            f"{n:<22} {format_mib(t):>10} {tr * 1e3:>7.0f}ms {tr / result['trace_s'][ref]:>5.2f}x "
-            f"{st * 1e3:>7.1f}ms {st / result['step_s'][ref]:>5.2f}x"
+        rows.append(
+            [
+                n,
+                format_mib(t),
+                f"{tr * 1e3:.0f}ms",
+                f"{tr / result['trace_s'][ref]:.2f}x",
+                f"{st * 1e3:.1f}ms",
+                f"{st / result['step_s'][ref]:.2f}x",
+            ]
         )
-    return "\n".join(lines)
+    head = ["variant", "temp", "trace", "/expl", "step", "/expl"]
+    title = f"GPT-style stack {result['sizes']}, f32, jax {result['jax']}"
+    return title + "\n" + harness.table(head, rows)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -77,6 +77,7 @@ import json
 import pathlib
 import statistics
 import sys
+import textwrap
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -880,16 +881,7 @@ def format_table(results: Sequence[Result]) -> str:
                     "-" if row.grad_rel_err is None else f"{row.grad_rel_err:.1e}",
                 ]
             )
-    rows = [b for b in blocks if isinstance(b, list)]
-    widths = [max(len(x[i]) for x in [head, *rows] if i < len(x)) for i in range(len(head))]
-
-    def line(cells: list[str]) -> str:
-        out = [cells[0].ljust(widths[0]), cells[1].ljust(widths[1])]
-        out += [c.rjust(w) for c, w in zip(cells[2:], widths[2:], strict=False)]
-        return "  ".join(out).rstrip()
-
-    lines = [line(head), "  ".join("-" * w for w in widths)]
-    lines += [b if isinstance(b, str) else line(b) for b in blocks]
+    lines = [harness.table(head, blocks, align="ll")]
     notes = [
         f"  {r.name} / {row.label}: {row.skipped or row.error}"
         for r in results
@@ -903,9 +895,10 @@ def format_table(results: Sequence[Result]) -> str:
 
 def format_checks(checks: Sequence[Check]) -> str:
     """The bars, one a line."""
-    width = max((len(c.name) for c in checks), default=0)
+    rows = [[c.verdict, c.name, c.detail] for c in checks]
     lines = ["bars (issue 24):"]
-    lines += [f"  {c.verdict:<7} {c.name.ljust(width)}  {c.detail}" for c in checks]
+    if rows:
+        lines.append(textwrap.indent(harness.table(None, rows, align="lll"), "  "))
     return "\n".join(lines)
 
 

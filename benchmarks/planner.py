@@ -39,7 +39,7 @@ import json
 import os
 import pathlib
 import sys
-import time
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -218,9 +218,9 @@ def planning_time(config: Config) -> dict[str, Any]:
     full, _ = compiled_cost(make(jaxmem.policies.nothing)[0], params, tokens)
     top, _ = compiled_cost(make(None)[0], params, tokens)
     budget = (full + top) // 2
-    start = time.perf_counter()
-    p = jaxmem.plan(loss, params, tokens, budget=budget, max_compiles=config.max_compiles)
-    seconds = time.perf_counter() - start
+    p, seconds = harness.wall_seconds(
+        lambda: jaxmem.plan(loss, params, tokens, budget=budget, max_compiles=config.max_compiles)
+    )
     return {
         "layers": config.timing_layers,
         "d_model": config.timing_d_model,
@@ -243,28 +243,34 @@ def _mib(b):
 
 
 def format_model(r: ModelResult) -> str:
-    lines = [
-        f"{r.name}: no remat temp {_mib(r.no_remat[0])} MiB, {r.no_remat[1]:.4g} FLOPs; presets "
-        "(temp MiB / recompute %): "
-        + ", ".join(
-            f"{k} {_mib(t)}/{100 * f / r.no_remat[1]:.1f}%" for k, (t, f) in r.presets.items()
-        ),
-        f"  {'budget':>7} {'temp':>7} {'recompute':>9}  {'cheapest fitting preset':>28}  "
-        f"{'ok':>4} {'compiles':>8} {'s':>5}  plan",
-    ]
+    rows = []
     for row in r.rows:
         preset = (
             "-"
             if row["cheapest_preset"] is None
             else f"{row['cheapest_preset']} {row['cheapest_preset_pct']:.1f}%"
         )
-        ok = "PASS" if row["fits"] and row["not_costlier"] else "FAIL"
-        lines.append(
-            f"  {_mib(row['budget_bytes']):>7} {_mib(row['temp_bytes']):>7} "
-            f"{row['recompute_pct']:>8.1f}%  {preset:>28}  {ok:>4} {row['compiles']:>8} "
-            f"{row['seconds']:>5.1f}  {row['plan']}"
+        rows.append(
+            [
+                _mib(row["budget_bytes"]),
+                _mib(row["temp_bytes"]),
+                f"{row['recompute_pct']:.1f}%",
+                preset,
+                "PASS" if row["fits"] and row["not_costlier"] else "FAIL",
+                row["compiles"],
+                f"{row['seconds']:.1f}",
+                row["plan"],
+            ]
         )
-    return "\n".join(lines)
+    head = ["budget", "temp", "recompute", "cheapest fitting preset", "ok", "compiles", "s", "plan"]
+    presets = ", ".join(
+        f"{k} {_mib(t)}/{100 * f / r.no_remat[1]:.1f}%" for k, (t, f) in r.presets.items()
+    )
+    return (
+        f"{r.name}: no remat temp {_mib(r.no_remat[0])} MiB, {r.no_remat[1]:.4g} FLOPs; presets "
+        f"(temp MiB / recompute %): {presets}\n"
+        + textwrap.indent(harness.table(head, rows, align="rrrrrrrl"), "  ")
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

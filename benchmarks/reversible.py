@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxmem
-from benchmarks.harness import MIN_REPEATS, format_mib, time_interleaved
+from benchmarks.harness import MIN_REPEATS, format_mib, table, time_interleaved
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,36 +270,40 @@ def _tables(memory, timing, drift) -> str:
     mib = format_mib
     s = memory["shape"]
     names = list(memory["rows"][0]["temp"])
+    head = ["depth", *names, f"reversible / depth {memory['rows'][0]['depth']}"]
+    head += ["reversible / full remat", "reversible / jaxmem.scan"]
+    rows = [
+        [
+            row["depth"],
+            *(mib(row["temp"][k]) for k in names),
+            f"{row['reversible_over_shallowest']:.3f}x",
+            f"{row['ratios']['full remat']:.3f}x",
+            f"{row['ratios']['jaxmem.scan']:.3f}x",
+        ]
+        for row in memory["rows"]
+    ]
     out = [
         f"Gradient temp, GPT-style reversible stack (batch {s['batch']}, seq {s['seq']}, "
         f"d {s['d']}, {s['heads']} heads, f32), jax {jax.__version__}:",
-        "| depth | "
-        + " | ".join(names)
-        + " | reversible / depth "
-        + str(memory["rows"][0]["depth"])
-        + " | reversible / full remat | reversible / jaxmem.scan |",
-        "|---" * (len(names) + 4) + "|",
+        table(head, rows, align="r", markdown=True),
     ]
-    for row in memory["rows"]:
-        t = row["temp"]
-        out.append(
-            f"| {row['depth']} | "
-            + " | ".join(mib(t[k]) for k in names)
-            + f" | {row['reversible_over_shallowest']:.3f}x | {row['ratios']['full remat']:.3f}x"
-            f" | {row['ratios']['jaxmem.scan']:.3f}x |"
-        )
     if timing:
         out.append(
             f"\nStep time (value and gradient), depth {timing['depth']}, interleaved, median of "
             f"{timing['repeats']}:"
         )
-        out.append("| variant | median | / jaxmem.scan | / lax.scan | gradient rel. err |")
-        out.append("|---|---|---|---|---|")
-        for k, v in timing["variants"].items():
-            out.append(
-                f"| {k} | {v['median_s'] * 1e3:.1f} ms | {v['over_jaxmem_scan']:.2f}x | "
-                f"{v['over_lax_scan']:.2f}x | {v['rel_err']:.1e} |"
-            )
+        head = ["variant", "median", "/ jaxmem.scan", "/ lax.scan", "gradient rel. err"]
+        rows = [
+            [
+                k,
+                f"{v['median_s'] * 1e3:.1f} ms",
+                f"{v['over_jaxmem_scan']:.2f}x",
+                f"{v['over_lax_scan']:.2f}x",
+                f"{v['rel_err']:.1e}",
+            ]
+            for k, v in timing["variants"].items()
+        ]
+        out.append(table(head, rows, markdown=True))
     if drift:
         s = drift["shape"]
         cols = [k for k in drift["rows"][0] if k not in ("init", "depth")]
@@ -307,14 +311,10 @@ def _tables(memory, timing, drift) -> str:
             f"\nDrift: relative gradient error ||g - g_ref|| / ||g_ref|| against the direct "
             f"float32 loop (batch {s['batch']}, seq {s['seq']}, d {s['d']}):"
         )
-        out.append("| init | depth | " + " | ".join(cols) + " |")
-        out.append("|---" * (len(cols) + 2) + "|")
-        for row in drift["rows"]:
-            out.append(
-                f"| {row['init']} | {row['depth']} | "
-                + " | ".join(f"{row[c]:.1e}" for c in cols)
-                + " |"
-            )
+        rows = [
+            [row["init"], row["depth"], *(f"{row[c]:.1e}" for c in cols)] for row in drift["rows"]
+        ]
+        out.append(table(["init", "depth", *cols], rows, markdown=True))
     return "\n".join(out)
 
 

@@ -553,13 +553,7 @@ def format_table(points: Sequence[Point], variant: str) -> str:
             for c in p.columns.values()
             if c.error
         ]
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-
-    def line(cells: list[str]) -> str:
-        left = [c.ljust(w) for c, w in zip(cells[:1], widths[:1], strict=True)]
-        return "  ".join(left + [c.rjust(w) for c, w in zip(cells[1:], widths[1:], strict=True)])
-
-    lines = [line(header), "  ".join("-" * w for w in widths), *(line(r) for r in rows)]
+    lines = [harness.table(header, rows)]
     if errors:
         lines += ["", "errors:", *(f"  {e}" for e in errors)]
     return "\n".join(lines)

@@ -1,7 +1,10 @@
 """Tests of the benchmark harness (``python -m benchmarks.run``) and its cases."""
 
+import ast
 import json
+import re
 import time
+from pathlib import Path
 
 import jax
 import pytest
@@ -199,3 +202,149 @@ def test_a_timed_run_does_not_pay_for_the_run_before_it():
     assert min(plain["quick"].samples_s) >= 0.05  # A B A B: quick would pay for tail's
     with pytest.raises(ValueError, match="settle"):
         harness.time_interleaved(fns, 1.0, settle=-1)
+
+
+def test_setup_gives_each_run_its_arguments_untimed():
+    calls = []
+
+    def setup(label):
+        time.sleep(0.05)  # untimed: not in the samples
+        calls.append(("setup", label))
+        return (len(calls),)  # this run's argument: 1, 3, 5, ...
+
+    def fn(label):
+        def f(x):
+            calls.append((label, x))
+            return x
+
+        return f
+
+    times = harness.time_interleaved({"a": fn("a"), "b": fn("b")}, setup=setup, repeats=2)
+    setups, runs = calls[::2], calls[1::2]
+    # Warm-up runs, then rounds of A A B B; every run right after a setup for its own label,
+    # with the arguments that setup returned.
+    assert [label for label, _ in runs] == ["a", "b"] + ["a", "a", "b", "b"] * 2
+    assert setups == [("setup", label) for label, _ in runs]
+    assert [x for _, x in runs] == list(range(1, 2 * len(runs), 2))
+    assert times["a"].output == 1 and times["b"].output == 3
+    assert max(t for timing in times.values() for t in timing.samples_s) < 0.04
+
+
+def test_wall_seconds_times_one_call():
+    result, seconds = harness.wall_seconds(lambda s: time.sleep(s) or "done", 0.02)
+    assert result == "done" and 0.02 <= seconds < 1.0
+
+
+def test_table_aligns_plain_and_markdown():
+    rows = [["rnn", "1.0 MiB"], "a section line", ["long name", "12.0 MiB", "extra"], ["x"]]
+    assert harness.table(["case", "temp", "note"], rows).splitlines() == [
+        "case           temp   note",
+        "---------  --------  -----",
+        "rnn         1.0 MiB",
+        "a section line",
+        "long name  12.0 MiB  extra",
+        "x",
+    ]
+    assert harness.table(["a", "b"], [["x", "1"]], align="lr", markdown=True).splitlines() == [
+        "| a | b |",
+        "|---|--:|",
+        "| x | 1 |",
+    ]
+    assert harness.table(None, [["PASS", "a"], ["SKIPPED", "bb"]], align="ll") == (
+        "PASS     a\nSKIPPED  bb"
+    )
+    grouped = harness.table(["case", "t", "t"], [["rnn", "1", "2"]], groups=[("", 1), ("ab", 2)])
+    assert grouped.splitlines()[0] == "      -ab-"
+    with pytest.raises(ValueError, match="align"):
+        harness.table(["a"], [], align="c")
+
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+# A str joining table cells (" | ", "|", two spaces or more, "-+-"), not a list's ", ".
+_CELL_JOINER = re.compile(r"\s*\|\s*|\s{2,}|-\+-")
+# A format spec with a width (``:>12``, ``:<26``, ``:8.1f``, ``:34s``): a hand-aligned column.
+_WIDTH_SPEC = re.compile(r"(.?[<>=^])?[+\- ]?z?#?0?[1-9]")
+
+
+def _own_timing_or_tables(path: Path) -> list[str]:
+    """What in a benchmark module times steps or aligns a table itself ("line: what")."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        what = None
+        if isinstance(node, ast.Attribute) and node.attr == "perf_counter":
+            what = "time.perf_counter"
+        elif isinstance(node, ast.Name) and node.id == "perf_counter":
+            what = "perf_counter"
+        elif isinstance(node, ast.ImportFrom) and any(a.name == "perf_counter" for a in node.names):
+            what = "imports perf_counter"
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            f = node.func
+            if f.attr in ("ljust", "rjust", "center"):
+                what = f".{f.attr}()"
+            elif (
+                f.attr == "join"
+                and isinstance(f.value, ast.Constant)
+                and isinstance(f.value.value, str)
+                and _CELL_JOINER.fullmatch(f.value.value)
+            ):
+                what = f"{f.value.value!r}.join"
+        elif isinstance(node, ast.FormattedValue) and isinstance(node.format_spec, ast.JoinedStr):
+            # A nested field ({x:<{w}}) counts as a width.
+            spec = "".join(
+                v.value if isinstance(v, ast.Constant) else "9" for v in node.format_spec.values
+            )
+            if _WIDTH_SPEC.match(spec):
+                what = f"format spec {spec!r}"
+        if what:
+            found.append((node.lineno, what))
+    return [f"{line}: {what}" for line, what in sorted(found)]
+
+
+def test_only_the_harness_times_steps_and_formats_tables():
+    """Every benchmark times steps with ``harness.time_interleaved`` (one-shot planning times:
+    ``harness.wall_seconds``) and renders its tables with ``harness.table``: only harness.py may
+    read ``time.perf_counter``, join table cells or pad columns (``ljust``, ``:>12``).
+
+    Why: a step time is only comparable with another when both were measured the same way
+    (same process, warm, interleaved rounds in which each timed run follows an untimed run of
+    its own, docs/design.md §3); a module's own ``perf_counter`` loop silently measures
+    something else (cold runs, another function's tail). One table formatter keeps every
+    benchmark's output alike, and a fix to the rendering lands once instead of in fifteen
+    hand-aligned copies.
+    """
+    found = {
+        str(path.relative_to(BENCHMARKS)): hits
+        for path in sorted(BENCHMARKS.rglob("*.py"))
+        if path.name != "harness.py" and (hits := _own_timing_or_tables(path))
+    }
+    assert not found, found
+
+
+def test_the_timing_and_table_check_finds_each_kind(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text(
+        "import time\n"
+        "from time import perf_counter\n"
+        "for _ in range(3):\n"
+        "    t = time.perf_counter()\n"
+        "def f(rows, w, x):\n"
+        '    a = " | ".join(rows)\n'
+        '    b = "  ".join(rows)\n'
+        '    c = "-+-".join(rows)\n'
+        "    d = rows[0].ljust(w)\n"
+        '    e = f"{x:>12} {x:<{w}} {x:8.1f} {x:.3f} {x:34s}"\n'
+        '    return ", ".join(rows), "".join(rows), " > ".join(rows)\n'
+    )
+    assert _own_timing_or_tables(path) == [
+        "2: imports perf_counter",
+        "4: time.perf_counter",
+        "6: ' | '.join",
+        "7: '  '.join",
+        "8: '-+-'.join",
+        "9: .ljust()",
+        "10: format spec '34s'",
+        "10: format spec '8.1f'",
+        "10: format spec '<9'",
+        "10: format spec '>12'",
+    ]
