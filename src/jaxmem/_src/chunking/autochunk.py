@@ -197,13 +197,10 @@ class _Analysis:
         self._choose()
 
     def _choose(self):
-        outs = self.jaxpr.outvars
-        if len(outs) != 1 or tuple(outs[0].aval.shape) != ():
-            types = ", ".join(_type(v.aval) for v in outs)
-            self.reason = f"the result is not a scalar ({types}): no sum over rows to chunk"
-            return
-        if not jnp.issubdtype(outs[0].aval.dtype, jnp.inexact):
-            self.reason = f"the result is not floating ({_type(outs[0].aval)})"
+        """The tails to chunk (``tails``) and the sums left as written (``skipped``), or why
+        nothing is chunked (``reason``)."""
+        self.reason = _not_a_sum(self.jaxpr.outvars)
+        if self.reason:
             return
         candidates = _rw.reductions(self.jaxpr)
         if not candidates:
@@ -211,40 +208,49 @@ class _Analysis:
             return
         taken: set[int] = set()
         for r in reversed(candidates):  # the last sums first: usually the loss's own
-            eqn = self.jaxpr.eqns[r]
-            where = _where(eqn)
-            best = None
-            for axis, n in enumerate(eqn.invars[0].aval.shape):
-                if n < 2:
-                    continue
-                tail = _rw.find_tail(self.jaxpr, r, axis)
-                if set(tail.eqns) & taken:
-                    continue
-                if best is None or _preference(tail) > _preference(best):
-                    best = tail
-            if best is None:
-                self.skipped.append(f"the sum at {where}: no axis with more than one row")
-                continue
-            var, nbytes = best.largest
-            if not best.eqns:
-                why = (
-                    f"the summed value {_type(var.aval)} is computed by "
-                    f"{self._origin(eqn.invars[0])}, which is not row-wise"
-                )
-                self.skipped.append(f"the sum at {where}: {why}")
-                continue
-            chosen = self._tiles(best)
-            if chosen.size >= best.rows and chosen.plan is None:
-                self.skipped.append(
-                    f"the sum at {where}: its largest row-wise intermediate {_type(var.aval)} "
-                    f"({_fmt_bytes(nbytes)}) fits max_chunk_bytes"
-                )
+            chosen, why = self._choose_tail(r, taken)
+            if chosen is None:
+                self.skipped.append(f"the sum at {_where(self.jaxpr.eqns[r])}: {why}")
             else:
                 self.tails.append(chosen)
-                taken |= set(best.eqns)
+                taken |= set(chosen.tail.eqns)
         if not self.tails:
             self.reason = "; ".join(self.skipped) or "no row-wise tail"
             self.skipped = []
+
+    def _choose_tail(self, r: int, taken: set[int]) -> tuple[_Chosen | None, str]:
+        """How to chunk the tail of the sum ``r`` (sharing no equation with ``taken``), or
+        None and why the sum is left as written."""
+        best = self._best_tail(r, taken)
+        if best is None:
+            return None, "no axis with more than one row"
+        var, nbytes = best.largest
+        if not best.eqns:
+            origin = self._origin(self.jaxpr.eqns[r].invars[0])
+            return None, (
+                f"the summed value {_type(var.aval)} is computed by {origin}, which is not row-wise"
+            )
+        chosen = self._tiles(best)
+        if chosen.size >= best.rows and chosen.plan is None:
+            return None, (
+                f"its largest row-wise intermediate {_type(var.aval)} ({_fmt_bytes(nbytes)}) "
+                "fits max_chunk_bytes"
+            )
+        return chosen, ""
+
+    def _best_tail(self, r: int, taken: set[int]) -> _rw.Tail | None:
+        """Of the tails of the sum ``r`` along its axes of more than one row, those sharing
+        no equation with ``taken``, the preferred (:func:`_preference`); or None."""
+        best = None
+        for axis, n in enumerate(self.jaxpr.eqns[r].invars[0].aval.shape):
+            if n < 2:
+                continue
+            tail = _rw.find_tail(self.jaxpr, r, axis)
+            if set(tail.eqns) & taken:
+                continue
+            if best is None or _preference(tail) > _preference(best):
+                best = tail
+        return best
 
     def _size(self, tail: _rw.Tail) -> int:
         if self.chunk_size is not None:
@@ -461,6 +467,16 @@ class _Options:
     chunk_size: int | None
     column_chunk_size: int | None
     columns: bool
+
+
+def _not_a_sum(outs) -> str:
+    """Why a function with outputs ``outs`` has no sum over rows to chunk, or ``""``."""
+    if len(outs) != 1 or tuple(outs[0].aval.shape) != ():
+        types = ", ".join(_type(v.aval) for v in outs)
+        return f"the result is not a scalar ({types}): no sum over rows to chunk"
+    if not jnp.issubdtype(outs[0].aval.dtype, jnp.inexact):
+        return f"the result is not floating ({_type(outs[0].aval)})"
+    return ""
 
 
 def _preference(tail: _rw.Tail) -> tuple:

@@ -99,43 +99,77 @@ def _sum_of_chunks(run, rows_leaves, param_leaves, n: int, size: int, fname: str
     summed). Float leaves are differentiable: under ``jax.grad`` their gradients are computed
     in the forward loop and scaled by the cotangent after.
     """
-    full, rem = divmod(n, size)
     d_rows = [_jc.is_float(a) for a in rows_leaves]
     d_params = [_jc.is_float(a) for a in param_leaves]
-
-    def pick(leaves, mask, want):
-        return [a for a, m in zip(leaves, mask, strict=True) if m == want]
-
-    def merge(d, i, mask):
-        it_d, it_i = iter(d), iter(i)
-        return [next(it_d) if m else next(it_i) for m in mask]
-
-    def value_of(start, length, dr, ir, dp, ip):
-        return run.value(start, length, merge(dr, ir, d_rows), merge(dp, ip, d_params))
-
-    out_dtype = jax.eval_shape(
-        lambda dr, ir, dp, ip: value_of(0, size, dr, ir, dp, ip),
-        pick(rows_leaves, d_rows, True),
-        pick(rows_leaves, d_rows, False),
-        pick(param_leaves, d_params, True),
-        pick(param_leaves, d_params, False),
-    ).dtype
+    args = (*_by_mask(rows_leaves, d_rows), *_by_mask(param_leaves, d_params))
+    loop = _ChunkLoop(run, n, size, d_rows, d_params)
+    out_dtype = jax.eval_shape(lambda *a: loop.value_of(0, size, *a), *args).dtype
 
     def value(dr, ir, dp, ip):
-        def body(i, total):
-            return total + value_of(i * size, size, dr, ir, dp, ip).astype(jnp.float32)
-
-        total = jax.lax.fori_loop(0, full, body, jnp.zeros((), jnp.float32))
-        if rem:
-            total = total + value_of(full * size, rem, dr, ir, dp, ip).astype(jnp.float32)
-        return total.astype(out_dtype)
+        return loop.total(dr, ir, dp, ip).astype(out_dtype)
 
     def fwd(dr, ir, dp, ip):
-        rows, params = merge(dr, ir, d_rows), merge(dp, ip, d_params)
+        total, g_rows, g_params = loop.grads(dr, ir, dp, ip)
+        return total.astype(out_dtype), (g_rows, g_params)
+
+    def bwd(res, ct):
+        return _scaled(res, ct, d_rows, d_params)
+
+    core = _vjp_primitive.custom_vjp(value, fwd=fwd, bwd=bwd, name=fname)
+    return core(*args)
+
+
+def _by_mask(leaves, mask) -> tuple[list, list]:
+    """The leaves where ``mask`` holds, and the others."""
+    pairs = list(zip(leaves, mask, strict=True))
+    return [a for a, m in pairs if m], [a for a, m in pairs if not m]
+
+
+def _interleave(d, i, mask) -> list:
+    """The leaves in order: where ``mask`` holds the next of ``d``, else the next of ``i``."""
+    it_d, it_i = iter(d), iter(i)
+    return [next(it_d) if m else next(it_i) for m in mask]
+
+
+class _ChunkLoop:
+    """The loops over the chunks of ``size`` of ``n`` rows, on the row and parameter leaves
+    each split into the differentiable (float) ones and the others: ``dr, ir, dp, ip``."""
+
+    def __init__(self, run, n: int, size: int, d_rows: list, d_params: list):
+        self.run = run
+        self.size = size
+        self.full, self.rem = divmod(n, size)
+        self.d_rows = d_rows
+        self.d_params = d_params
+
+    def value_of(self, start, length, dr, ir, dp, ip):
+        """One chunk's value."""
+        rows, params = _interleave(dr, ir, self.d_rows), _interleave(dp, ip, self.d_params)
+        return self.run.value(start, length, rows, params)
+
+    def total(self, dr, ir, dp, ip):
+        """The sum of the chunks' values, in float32."""
+        size, full = self.size, self.full
+
+        def body(i, total):
+            return total + self.value_of(i * size, size, dr, ir, dp, ip).astype(jnp.float32)
+
+        total = jax.lax.fori_loop(0, full, body, jnp.zeros((), jnp.float32))
+        if self.rem:
+            last = self.value_of(full * size, self.rem, dr, ir, dp, ip)
+            total = total + last.astype(jnp.float32)
+        return total
+
+    def grads(self, dr, ir, dp, ip):
+        """The sum in float32 and the gradients of the float leaves (the parameters' in
+        their dtypes), chunk by chunk."""
+        size, full = self.size, self.full
+        d_rows, d_params = self.d_rows, self.d_params
+        rows, params = _interleave(dr, ir, d_rows), _interleave(dp, ip, d_params)
 
         def step(start, length, carry):
             total, g_rows, g_params = carry
-            v, g_rows, g_params = run.grads(
+            v, g_rows, g_params = self.run.grads(
                 start, length, rows, params, d_rows, d_params, g_rows, g_params
             )
             return total + v.astype(jnp.float32), g_rows, g_params
@@ -146,31 +180,26 @@ def _sum_of_chunks(run, rows_leaves, param_leaves, n: int, size: int, fname: str
             [jnp.zeros(a.shape, jnp.float32 if a.dtype != jnp.float64 else a.dtype) for a in dp],
         )
         carry = jax.lax.fori_loop(0, full, lambda i, c: step(i * size, size, c), carry)
-        if rem:
-            carry = step(full * size, rem, carry)
+        if self.rem:
+            carry = step(full * size, self.rem, carry)
         total, g_rows, g_params = carry
         g_params = [g.astype(p.dtype) for g, p in zip(g_params, dp, strict=True)]
-        return total.astype(out_dtype), (g_rows, g_params)
+        return total, g_rows, g_params
 
-    def bwd(res, ct):
-        g_rows, g_params = res
 
-        def scale(g):
-            return (g * ct.astype(g.dtype)).astype(g.dtype)
+def _scaled(res, ct, d_rows: list, d_params: list) -> tuple:
+    """The cotangents of ``dr, ir, dp, ip``: the gradients ``res`` scaled by the sum's
+    cotangent ``ct``, None for the leaves that are not differentiated."""
+    g_rows, g_params = res
 
-        return (
-            [scale(g) for g in g_rows],
-            [None] * (len(d_rows) - sum(d_rows)),
-            [scale(g) for g in g_params],
-            [None] * (len(d_params) - sum(d_params)),
-        )
+    def scale(g):
+        return (g * ct.astype(g.dtype)).astype(g.dtype)
 
-    core = _vjp_primitive.custom_vjp(value, fwd=fwd, bwd=bwd, name=fname)
-    return core(
-        pick(rows_leaves, d_rows, True),
-        pick(rows_leaves, d_rows, False),
-        pick(param_leaves, d_params, True),
-        pick(param_leaves, d_params, False),
+    return (
+        [scale(g) for g in g_rows],
+        [None] * (len(d_rows) - sum(d_rows)),
+        [scale(g) for g in g_params],
+        [None] * (len(d_params) - sum(d_params)),
     )
 
 

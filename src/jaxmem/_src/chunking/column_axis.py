@@ -1,12 +1,13 @@
-"""The column axis of a row-wise tail: which values carry the axis that comes from a shared weight's
-columns, followed through per-primitive rules, and which uses reduce over it.
+"""The column axis of a row-wise tail: the matmuls by a shared weight it can come from, which values
+carry the axis that comes from the weight's columns, followed through per-primitive rules, and
+which uses reduce over it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -140,15 +141,7 @@ def _label(live, producer, consumers, start, a: int, size: int) -> _Labels:
             raise Refused(f"{_type(v)} has {_shape(v)[k]} columns, not {size}")
         axis[v] = k
         if v in producer:
-            i, eqn = producer[v]
-            name = eqn.primitive.name
-            if name == "iota" and eqn.params["dimension"] == k:
-                pass  # column numbers: offset in each tile
-            else:
-                in_axes = _rw.in_axes(eqn, [k]) if len(eqn.outvars) == 1 else None
-                if in_axes is None:
-                    raise Refused(f"{name} at {_where(eqn)} is not column-wise ({_type(v)})")
-                queue += [(u, j) for u, j in zip(eqn.invars, in_axes, strict=True) if j is not None]
+            queue += _producer_axes(producer[v][1], v, k)
         for i, eqn, _ in consumers.get(v, ()):
             if not live[i] or i in reductions:
                 continue
@@ -158,6 +151,18 @@ def _label(live, producer, consumers, start, a: int, size: int) -> _Labels:
                 continue
             reductions[i] = _reduction_kind(eqn, v, k, queue)
     return _Labels(axis, size, reductions, "")
+
+
+def _producer_axes(eqn, v, k: int) -> list:
+    """``(input, column axis)`` of the inputs of ``v``'s producer ``eqn`` that carry its
+    column axis ``k``, or Refused."""
+    name = eqn.primitive.name
+    if name == "iota" and eqn.params["dimension"] == k:
+        return []  # column numbers: offset in each tile
+    in_axes = _rw.in_axes(eqn, [k]) if len(eqn.outvars) == 1 else None
+    if in_axes is None:
+        raise Refused(f"{name} at {_where(eqn)} is not column-wise ({_type(v)})")
+    return [(u, j) for u, j in zip(eqn.invars, in_axes, strict=True) if j is not None]
 
 
 def _reduction_kind(eqn, v, k: int, queue: list) -> str:
@@ -181,3 +186,45 @@ def _reduction_kind(eqn, v, k: int, queue: list) -> str:
             queue.append((lhs, lc[list(rc).index(k)]))
             return name
     raise Refused(f"{where} mixes the columns ({_type(v)}): not a sum, max, min, gather or matmul")
+
+
+class _Graph(NamedTuple):
+    """The live equations of a jaxpr as a graph: each value's producer ``(index, eqn)``, its
+    consumers ``(index, eqn, input position)``, and the values that depend on the rows."""
+
+    producer: dict
+    consumers: dict
+    rowdep: set
+
+    @classmethod
+    def of(cls, j, live: list, n_split: int) -> _Graph:
+        """The graph of ``j``'s live equations; its first ``n_split`` inputs carry the rows."""
+        producer = {v: (i, e) for i, e in enumerate(j.eqns) if live[i] for v in e.outvars}
+        consumers: dict[Any, list] = {}
+        rowdep = set(j.invars[:n_split])
+        for i, e in enumerate(j.eqns):
+            if not live[i]:
+                continue
+            for p, v in enumerate(e.invars):
+                if _jc.is_var(v):
+                    consumers.setdefault(v, []).append((i, e, p))
+            if any(_jc.is_var(v) and v in rowdep for v in e.invars):
+                rowdep.update(e.outvars)
+        return cls(producer, consumers, rowdep)
+
+
+def _column_sources(j, live: list, rowdep: set):
+    """``(eqn, out, axis)`` of each candidate source of the columns: an output axis (of at
+    least 2) of a live matmul that comes from one operand only, that operand independent of
+    the rows."""
+    for i, e in enumerate(j.eqns):
+        if not live[i] or e.primitive.name != "dot_general":
+            continue
+        (out,) = e.outvars
+        for b in range(len(_shape(out))):
+            in_axes = _rw.in_axes(e, [b])
+            carriers = [
+                (u, k) for u, k in zip(e.invars, in_axes or [], strict=True) if k is not None
+            ]
+            if len(carriers) == 1 and carriers[0][0] not in rowdep and _shape(out)[b] >= 2:
+                yield e, out, b

@@ -43,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +53,8 @@ from jaxmem._src import jax_compat as _jc
 from jaxmem._src.chunking import rows as _rw
 from jaxmem._src.chunking.column_axis import (
     Refused,
+    _column_sources,
+    _Graph,
     _label,
     _Labels,
     _live,
@@ -72,25 +74,6 @@ from jaxmem._src.chunking.column_reductions import (
     _reductions,
     _vars,
 )
-
-# ------------------------------------------------------------------------------------------
-# The tail of one chunk of rows as a flat jaxpr.
-
-
-# ------------------------------------------------------------------------------------------
-# Labels: the column axis of every value, and the column reductions.
-
-
-# ------------------------------------------------------------------------------------------
-# Expressions: bodies (per column tile, free of column reductions) and per-row coefficients.
-# Tuples, so that equal bodies share one accumulator: ("var", v), ("lit", k), ("one",),
-# ("mul"|"div"|"add", a, b), ("neg"|"exp"|"stop", a), ("select", p, case, a) (``a`` where the
-# selector ``p`` picks ``case``, else 0) and ("bcast", a, shape, dims).
-
-
-# ------------------------------------------------------------------------------------------
-# Accumulators: one per distinct per-tile reduction.
-
 
 # ------------------------------------------------------------------------------------------
 # The plan.
@@ -388,6 +371,33 @@ class ColumnTiling:
         """
         split = {k for k, _ in self.sliced}
         wrt = [k for k, d in enumerate(diff) if d and k not in split]
+        pre = self._pre_vjp(invals, wrt)
+        free = {v: pre.env[v] for v in self.sweep_free}
+        state = self._forward(free, take, width)
+        value, dstate, dvals = self._post_vjp(pre, state)
+        back = _Backward(
+            free=free,
+            fvars=[v for v in self.sweep_free if _jc.is_float(v)],
+            state=state,
+            dstate=dstate,
+            cols=[k for k, _ in self.sliced if k < len(diff) and diff[k]],
+            take=take,
+            put=put,
+        )
+        dfree, bufs = self._backward(back, width, bufs)
+        douts = [
+            d + dfree[back.fvars.index(v)].astype(d.dtype) if v in back.fvars else d
+            for v, d in zip(pre.outs_f, dvals, strict=True)
+        ]
+        (gin,) = pre.vjp(douts)
+        grads: list = [None] * len(invals)
+        for k, g in zip(wrt, gin, strict=True):
+            grads[k] = g
+        return value, grads, bufs
+
+    def _pre_vjp(self, invals: Sequence, wrt: list) -> _PreVJP:
+        """The part before the column reductions as a function of the inputs ``wrt``,
+        linearized."""
         outs_f = [v for v in self.pre_out if _jc.is_float(v)]
         outs_i = [v for v in self.pre_out if not _jc.is_float(v)]
 
@@ -399,64 +409,92 @@ class ColumnTiling:
             return [env[v] for v in outs_f], [env[v] for v in outs_i]
 
         fvals, pre_vjp, ivals = jax.vjp(pre, [invals[k] for k in wrt], has_aux=True)
-        env0 = {
+        env = {
             **self._base(),
             **dict(zip(outs_f, fvals, strict=True)),
             **dict(zip(outs_i, ivals, strict=True)),
         }
-        free = {v: env0[v] for v in self.sweep_free}
-        state = self._forward(free, take, width)
+        return _PreVJP(outs_f, fvals, pre_vjp, env)
+
+    def _post_vjp(self, pre: _PreVJP, state: list):
+        """The tail's value from the accumulators after the forward sweep, and its cotangents:
+        per accumulator (None where not differentiable) and per float value before the
+        reductions."""
         live = [i for i, a in enumerate(self.accs) if a.diff]
 
         def post(parts, vals):
             st = list(state)
             for i, p in zip(live, parts, strict=True):
                 st[i] = _inject(self.accs[i], st[i], p)
-            env = {**env0, **dict(zip(outs_f, vals, strict=True))}
+            env = {**pre.env, **dict(zip(pre.outs_f, vals, strict=True))}
             return self._post(env, st)
 
         parts = [_part(self.accs[i], state[i]) for i in live]
-        value, post_vjp = jax.vjp(post, parts, fvals)
+        value, post_vjp = jax.vjp(post, parts, pre.fvals)
         dparts, dvals = post_vjp(jnp.ones((), value.dtype))
         dstate: list = [None] * len(self.accs)
         for i, d in zip(live, dparts, strict=True):
             dstate[i] = d
+        return value, dstate, dvals
 
-        fvars = [v for v in self.sweep_free if _jc.is_float(v)]
-        cols = [k for k, _ in self.sliced if k < len(diff) and diff[k]]
+    def _backward(self, back: _Backward, width: int, bufs: dict):
+        """The backward sweep: per tile, the gradient of its share (:meth:`_partials`), added
+        into the buffers of the column-split inputs and summed for the float values the sweep
+        reads (returned in the order of ``back.fvars``)."""
 
         def tile_grads(tile, carry):
             dfree, bufs = carry
-            offset, w = tile.offset, tile.width
-
-            def part(tiles, fv):
-                env = {**free, **dict(zip(fvars, fv, strict=True))}
-
-                def take_d(k, o, width):
-                    return tiles[cols.index(k)] if k in cols else take(k, o, width)
-
-                tenv = self._tile(env, take_d, offset, w)
-                return self._partials(tenv, state, dstate, tile)
-
-            tiles = [take(k, offset, w) for k in cols]
-            gt, gf = jax.grad(part, argnums=(0, 1))(tiles, [free[v] for v in fvars])
+            tiles = [back.take(k, tile.offset, tile.width) for k in back.cols]
+            share = self._share(back, tile)
+            gt, gf = jax.grad(share, argnums=(0, 1))(tiles, [back.free[v] for v in back.fvars])
             bufs = dict(bufs)
-            for k, g in zip(cols, gt, strict=True):
-                bufs[k] = put(k, bufs[k], offset, g)
+            for k, g in zip(back.cols, gt, strict=True):
+                bufs[k] = back.put(k, bufs[k], tile.offset, g)
             dfree = [a + g.astype(a.dtype) for a, g in zip(dfree, gf, strict=True)]
             return dfree, bufs
 
-        dfree0 = [jnp.zeros(_shape(v), _acc_dtype(v.aval.dtype)) for v in fvars]
-        dfree, bufs = self._sweep(tile_grads, (dfree0, dict(bufs)), width)
-        douts = [
-            d + dfree[fvars.index(v)].astype(d.dtype) if v in fvars else d
-            for v, d in zip(outs_f, dvals, strict=True)
-        ]
-        (gin,) = pre_vjp(douts)
-        grads: list = [None] * len(invals)
-        for k, g in zip(wrt, gin, strict=True):
-            grads[k] = g
-        return value, grads, bufs
+        dfree0 = [jnp.zeros(_shape(v), _acc_dtype(v.aval.dtype)) for v in back.fvars]
+        return self._sweep(tile_grads, (dfree0, dict(bufs)), width)
+
+    def _share(self, back: _Backward, tile: _Tile) -> Callable:
+        """``share(tiles, fv)``: a tile's share (:meth:`_partials`) as a function of the
+        differentiated column-split inputs' tiles and the float values the sweep reads."""
+
+        def share(tiles, fv):
+            env = {**back.free, **dict(zip(back.fvars, fv, strict=True))}
+
+            def take_d(k, o, width):
+                return tiles[back.cols.index(k)] if k in back.cols else back.take(k, o, width)
+
+            tenv = self._tile(env, take_d, tile.offset, tile.width)
+            return self._partials(tenv, back.state, back.dstate, tile)
+
+        return share
+
+
+class _PreVJP(NamedTuple):
+    """The part before the column reductions, linearized: its float outputs, their values
+    and pullback, and the values the sweeps and the part after them start from."""
+
+    outs_f: list
+    fvals: list
+    vjp: Callable
+    env: dict
+
+
+class _Backward(NamedTuple):
+    """What the backward sweep reads: the values before the reductions that the sweep reads
+    (``free``; ``fvars`` the differentiated ones), the accumulators after the forward sweep
+    and their cotangents, the differentiated column-split inputs (``cols``), and ``take`` and
+    ``put`` of their tiles."""
+
+    free: dict
+    fvars: list
+    state: list
+    dstate: list
+    cols: list
+    take: Callable
+    put: Callable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -517,48 +555,30 @@ def plan(closed, n_split: int) -> ColumnTiling:
     """
     j = _jc.open_jaxpr(closed)
     live = _live(j)
-    producer = {v: (i, e) for i, e in enumerate(j.eqns) if live[i] for v in e.outvars}
-    consumers: dict[Any, list] = {}
-    rowdep = set(j.invars[:n_split])
-    for i, e in enumerate(j.eqns):
-        if not live[i]:
-            continue
-        for p, v in enumerate(e.invars):
-            if _jc.is_var(v):
-                consumers.setdefault(v, []).append((i, e, p))
-        if any(_jc.is_var(v) and v in rowdep for v in e.invars):
-            rowdep.update(e.outvars)
+    graph = _Graph.of(j, live, n_split)
     best, best_bytes, reasons, seen = None, -1, [], set()
-    for i, e in enumerate(j.eqns):
-        if not live[i] or e.primitive.name != "dot_general":
+    for e, out, b in _column_sources(j, live, graph.rowdep):
+        if (out, b) in seen:
             continue
-        (out,) = e.outvars
-        for b in range(len(_shape(out))):
-            in_axes = _rw.in_axes(e, [b])
-            carriers = [
-                (u, k) for u, k in zip(e.invars, in_axes or [], strict=True) if k is not None
-            ]
-            if len(carriers) != 1 or carriers[0][0] in rowdep or _shape(out)[b] < 2:
-                continue
-            if (out, b) in seen:
-                continue
-            source = f"dot_general at {_where(e)} ({_type(out)}, axis {b})"
-            try:
-                labels = _label(live, producer, consumers, out, b, _shape(out)[b])
-            except Refused as r:
-                reasons.append(f"the columns of {source}: {r}")
-                continue
-            seen.update(labels.axis.items())
-            labels.source = source
-            size = max((_jc.nbytes(v.aval) for v in labels.axis if v in producer), default=0)
-            if size > best_bytes:
-                best, best_bytes = labels, size
+        source = f"dot_general at {_where(e)} ({_type(out)}, axis {b})"
+        try:
+            labels = _label(live, graph.producer, graph.consumers, out, b, _shape(out)[b])
+        except Refused as r:
+            reasons.append(f"the columns of {source}: {r}")
+            continue
+        seen.update(labels.axis.items())
+        labels.source = source
+        size = max((_jc.nbytes(v.aval) for v in labels.axis if v in graph.producer), default=0)
+        if size > best_bytes:
+            best, best_bytes = labels, size
     if best is None:
         raise Refused("; ".join(reasons) or "no matmul by a weight shared by every row")
-    return _build(closed, live, best, producer, n_split)
+    return _build(closed, live, best, graph.producer, n_split)
 
 
 def _diff_live(j, live) -> set:
+    """The values whose cotangent can be non-zero: those the output depends on, other than
+    through a ``stop_gradient``, and float."""
     out = {v for v in j.outvars if _jc.is_var(v)}
     for i in range(len(j.eqns) - 1, -1, -1):
         e = j.eqns[i]
@@ -570,10 +590,41 @@ def _diff_live(j, live) -> set:
 
 
 def _build(closed, live, labels: _Labels, producer, n_split: int) -> ColumnTiling:
+    """The plan of the columns ``labels`` found by :func:`plan`."""
     j = _jc.open_jaxpr(closed)
     axis, size = labels.axis, labels.size
     cat, inner = _categories(j, live, labels)
     red = _reductions(j, cat, inner, labels)
+    _mark_diff(j, live, red)
+    sweep_free, pre_out = _pre_outputs(j, cat, axis, red)
+    col_bytes = max(
+        (math.ceil(_jc.nbytes(v.aval) / size) for v in axis if v in producer), default=0
+    )
+    held = dict.fromkeys(sweep_free + [v for v in j.invars[:n_split] if v not in axis])
+    row_bytes = sum(_jc.nbytes(v.aval) * (2 if _jc.is_float(v) else 1) for v in held)
+    row_bytes += sum(2 * math.prod(a.out_shape) * np.dtype(a.dtype).itemsize for a in red.accs)
+    sources = list(j.invars) + list(j.constvars)
+    return ColumnTiling(
+        size=size,
+        sliced=tuple((k, axis[v]) for k, v in enumerate(sources) if v in axis),
+        reductions=_describe(j, red),
+        source=labels.source,
+        col_bytes=col_bytes,
+        row_bytes=row_bytes,
+        jaxpr=j,
+        consts=_jc.jaxpr_consts(closed),
+        axis=axis,
+        cat=cat,
+        accs=red.accs,
+        recipes=red.recipes,
+        pre_out=pre_out,
+        sweep_free=sweep_free,
+    )
+
+
+def _mark_diff(j, live, red) -> None:
+    """Marks the accumulators whose cotangent can be non-zero: inexact, and read by a
+    reduction whose result the output depends on differentiably."""
     dl = _diff_live(j, live)
     for k, eqns in red.users.items():
         a = red.accs[k]
@@ -581,7 +632,10 @@ def _build(closed, live, labels: _Labels, producer, n_split: int) -> ColumnTilin
             j.eqns[i].outvars[0] in dl for i in eqns
         )
 
-    # The values computed before the reductions that the sweeps and the part after them read.
+
+def _pre_outputs(j, cat: list, axis: dict, red) -> tuple[list, list]:
+    """The values computed before the reductions that the sweeps read (``sweep_free``) and
+    that the sweeps or the part after the reductions read (``pre_out``), in order."""
     sweep_refs: set = set()
     post_refs = set(red.reads)
     for i, e in enumerate(j.eqns):
@@ -603,34 +657,16 @@ def _build(closed, live, labels: _Labels, producer, n_split: int) -> ColumnTilin
     ]
     sweep_free = [v for v in outer if v in sweep_refs]
     pre_out = [v for v in outer if v in sweep_refs or v in post_refs]
+    return sweep_free, pre_out
 
-    col_bytes = max(
-        (math.ceil(_jc.nbytes(v.aval) / size) for v in axis if v in producer), default=0
-    )
-    held = dict.fromkeys(sweep_free + [v for v in j.invars[:n_split] if v not in axis])
-    row_bytes = sum(_jc.nbytes(v.aval) * (2 if _jc.is_float(v) else 1) for v in held)
-    row_bytes += sum(2 * math.prod(a.out_shape) * np.dtype(a.dtype).itemsize for a in red.accs)
-    reductions = tuple(
+
+def _describe(j, red) -> tuple[str, ...]:
+    """One line per column reduction: the primitive, where, and the kinds of its
+    accumulators."""
+    return tuple(
         f"{j.eqns[i].primitive.name} at {_where(j.eqns[i])}: "
         + ", ".join(
             dict.fromkeys(_KINDS[red.accs[k].kind] for k, es in red.users.items() if i in es)
         )
         for i in sorted(red.recipes)
-    )
-    sources = list(j.invars) + list(j.constvars)
-    return ColumnTiling(
-        size=size,
-        sliced=tuple((k, axis[v]) for k, v in enumerate(sources) if v in axis),
-        reductions=reductions,
-        source=labels.source,
-        col_bytes=col_bytes,
-        row_bytes=row_bytes,
-        jaxpr=j,
-        consts=_jc.jaxpr_consts(closed),
-        axis=axis,
-        cat=cat,
-        accs=red.accs,
-        recipes=red.recipes,
-        pre_out=pre_out,
-        sweep_free=sweep_free,
     )

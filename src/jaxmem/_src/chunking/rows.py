@@ -250,36 +250,50 @@ Axes = dict
 
 def _inner_axes(jaxpr, out_axes: list) -> tuple[list, Axes] | None:
     """Input axes of a called jaxpr whose every equation must be row-wise, or None."""
+    required = _output_axes(jaxpr.outvars, out_axes)
+    if required is None:
+        return None
+    axes: Axes = {}
+    for eqn in reversed(jaxpr.eqns):
+        outs = [required.get(v, "unused") for v in eqn.outvars if not _jc.is_drop_var(v)]
+        if all(o == "unused" for o in outs):
+            continue  # not needed: run_tail skips it
+        ins = _needed_in_axes(eqn, outs, axes)
+        if ins is None:
+            return None
+        for v, k in zip(eqn.invars, ins, strict=True):
+            if _jc.is_var(v) and required.setdefault(v, k) != k:
+                return None
+        axes[id(eqn)] = (ins, outs)
+    return [required.get(v) for v in jaxpr.invars], axes
+
+
+def _output_axes(outvars, out_axes: list) -> dict[Any, int | None] | None:
+    """The rows' axis of each output variable of a called jaxpr, or None where they disagree
+    (or a literal output would carry rows)."""
     required: dict[Any, int | None] = {}
-    for v, a in zip(jaxpr.outvars, out_axes, strict=True):
+    for v, a in zip(outvars, out_axes, strict=True):
         if not _jc.is_var(v):
             if a is not None:
                 return None
             continue
         if required.setdefault(v, a) != a:
             return None
-    axes: Axes = {}
-    for eqn in reversed(jaxpr.eqns):
-        outs = [required.get(v, "unused") for v in eqn.outvars if not _jc.is_drop_var(v)]
-        if all(o == "unused" for o in outs):
-            continue  # not needed: run_tail skips it
-        if any(o == "unused" for o in outs):
-            return None
-        if all(o is None for o in outs):
-            if eqn.effects:
-                return None
-            ins = [None] * len(eqn.invars)  # shared by every row: runs unchanged
-        else:
-            ins = in_axes(eqn, outs)
-            if ins is None:
-                return None
-            if eqn.primitive.name in _CALLS:
-                axes.update(_call_axes(eqn, outs))
-        for v, k in zip(eqn.invars, ins, strict=True):
-            if _jc.is_var(v) and required.setdefault(v, k) != k:
-                return None
-        axes[id(eqn)] = (ins, outs)
-    return [required.get(v) for v in jaxpr.invars], axes
+    return required
+
+
+def _needed_in_axes(eqn, outs: list, axes: Axes) -> list | None:
+    """The input axes of an equation of a called jaxpr whose outputs are needed with axes
+    ``outs``, or None when it is not row-wise; a call's inner axes join ``axes``."""
+    if any(o == "unused" for o in outs):
+        return None
+    if all(o is None for o in outs):
+        # Shared by every row: runs unchanged.
+        return None if eqn.effects else [None] * len(eqn.invars)
+    ins = in_axes(eqn, outs)
+    if ins is not None and eqn.primitive.name in _CALLS:
+        axes.update(_call_axes(eqn, outs))
+    return ins
 
 
 @dataclasses.dataclass
@@ -349,56 +363,95 @@ def find_tail(jaxpr, reduction: int, axis: int) -> Tail:
     eqns = jaxpr.eqns
     red = eqns[reduction]
     t = red.invars[0]
-    required: dict[Any, int | None] = {t: axis}
-    axes: Axes = {id(red): ([axis], [None])}
-    members: dict[int, tuple] = {}
-    stops: dict[Any, str] = {}
+    walk = _Walk(required={t: axis}, axes={id(red): ([axis], [None])})
     for i in range(reduction - 1, -1, -1):
-        eqn = eqns[i]
-        outs = [required.get(v, "unused") for v in eqn.outvars if not _jc.is_drop_var(v)]
+        walk.visit(i, eqns[i])
+    _close(jaxpr, reduction, walk)
+    split, params, produced = _inputs(eqns, walk.members, reduction, axis)
+    sizes = [
+        (v, _jc.nbytes(v.aval))
+        for v in produced
+        if not _jc.is_drop_var(v) and walk.required.get(v) is not None
+    ]
+    largest = max(sizes, key=lambda p: p[1], default=(t, _jc.nbytes(t.aval)))
+    rows_of_largest = _shape(largest[0])[walk.required.get(largest[0], axis)]
+    stopped = tuple((walk.stops[v], v) for v in split if v in walk.stops)
+    assert not set(split) & set(params), "a tail input both split and shared"
+    return Tail(
+        reduction,
+        tuple(sorted(walk.members)),
+        tuple(split.items()),
+        tuple(params),
+        _shape(t)[axis],
+        walk.axes,
+        largest,
+        math.ceil(largest[1] / max(1, rows_of_largest)),
+        stopped,
+        sum(b for _, b in sizes),
+    )
+
+
+@dataclasses.dataclass
+class _Walk:
+    """The walk back from a tail's reduction: the row axis the tail needs of each value, the
+    axes of the equations joined so far (``members`` by index, ``axes`` by id, nested calls
+    included), and what produced each value where the walk had to stop."""
+
+    required: dict[Any, int | None]
+    axes: Axes
+    members: dict[int, tuple] = dataclasses.field(default_factory=dict)
+    stops: dict[Any, str] = dataclasses.field(default_factory=dict)
+
+    def visit(self, i: int, eqn) -> None:
+        """Joins equation ``i`` when the tail uses its outputs with row axes and its inputs'
+        axes agree with the tail's; notes a stop when its outputs cannot be row-wise."""
+        outs = [self.required.get(v, "unused") for v in eqn.outvars if not _jc.is_drop_var(v)]
         if all(o == "unused" for o in outs):
-            continue  # not used by the tail
+            return  # not used by the tail
         if all(o is None for o in outs) and eqn.primitive.name in _LAYOUT and not eqn.effects:
             # A shared value's transpose or reshape (``embedding.T``, a LayerNorm scale as
             # [1, 1, D]) joins the tail: its gradient is then the original's, and XLA folds the
             # layout change into its use instead of a copy that lives through the loop.
             ins = [None] * len(eqn.invars)
         elif any(o is None for o in outs):
-            continue  # used as a parameter: computed before the tail
+            return  # used as a parameter: computed before the tail
         else:
             ins = None if "unused" in outs else in_axes(eqn, outs)
-        conflict = ins is not None and any(
-            _jc.is_var(v) and required.get(v, k) != k for v, k in zip(eqn.invars, ins, strict=True)
-        )
-        if ins is None or conflict:
+        if ins is None or self._conflicts(eqn, ins):
             for v in eqn.outvars:
-                stops.setdefault(v, eqn.primitive.name)
-            continue
+                self.stops.setdefault(v, eqn.primitive.name)
+            return
+        self._join(i, eqn, ins, outs)
+
+    def _conflicts(self, eqn, ins: list) -> bool:
+        """Whether an input of ``eqn`` would need another row axis than the tail needs."""
+        return any(
+            _jc.is_var(v) and self.required.get(v, k) != k
+            for v, k in zip(eqn.invars, ins, strict=True)
+        )
+
+    def _join(self, i: int, eqn, ins: list, outs: list) -> None:
+        """Adds equation ``i`` to the tail, its inputs needed with axes ``ins``."""
         for v, k in zip(eqn.invars, ins, strict=True):
             if _jc.is_var(v):
-                required[v] = k
-        members[i] = (ins, outs)
+                self.required[v] = k
+        self.members[i] = (ins, outs)
         if eqn.primitive.name in _CALLS:
-            axes.update(_call_axes(eqn, outs))
-        axes[id(eqn)] = (ins, outs)
+            self.axes.update(_call_axes(eqn, outs))
+        self.axes[id(eqn)] = (ins, outs)
 
-    # Close the set: an intermediate used outside the tail must exist in full, so its producer
-    # (and whatever in the tail only feeds it) leaves. Dead equations (``_ = sign z`` in
-    # jnp.log of a sum) use nothing.
-    dead_set = dead(jaxpr)
-    users: dict[Any, set[int]] = {}
-    for i, eqn in enumerate(eqns):
-        if i in dead_set:
-            continue
-        for v in eqn.invars:
-            if _jc.is_var(v):
-                users.setdefault(v, set()).add(i)
+
+def _close(jaxpr, reduction: int, walk: _Walk) -> None:
+    """Closes the tail: an intermediate used outside it (or an output of the jaxpr) must exist
+    in full, so its producer (and whatever in the tail only feeds it) leaves, until none is."""
+    eqns = jaxpr.eqns
+    users = _users(jaxpr)
     outvars = {v for v in jaxpr.outvars if _jc.is_var(v)}
     changed = True
     while changed:
         changed = False
-        inside = set(members) | {reduction}
-        for i in sorted(members):
+        inside = set(walk.members) | {reduction}
+        for i in sorted(walk.members):
             escapes = any(
                 v in outvars or users.get(v, set()) - inside
                 for v in eqns[i].outvars
@@ -406,10 +459,28 @@ def find_tail(jaxpr, reduction: int, axis: int) -> Tail:
             )
             if escapes:
                 for v in eqns[i].outvars:
-                    stops.setdefault(v, "used outside the tail")
-                del members[i]
+                    walk.stops.setdefault(v, "used outside the tail")
+                del walk.members[i]
                 changed = True
 
+
+def _users(jaxpr) -> dict[Any, set[int]]:
+    """The equations that read each variable. Dead equations (``_ = sign z`` in jnp.log of a
+    sum) read nothing."""
+    dead_set = dead(jaxpr)
+    users: dict[Any, set[int]] = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        if i in dead_set:
+            continue
+        for v in eqn.invars:
+            if _jc.is_var(v):
+                users.setdefault(v, set()).add(i)
+    return users
+
+
+def _inputs(eqns, members: dict, reduction: int, axis: int) -> tuple[dict, dict, set]:
+    """The tail's inputs: those split along the rows (with their axes), those shared by every
+    row (keys, in order), and the set of values the tail produces."""
     inside = set(members) | {reduction}
     produced = {v for i in members for v in eqns[i].outvars}
     split: dict[Any, int] = {}
@@ -423,28 +494,7 @@ def find_tail(jaxpr, reduction: int, axis: int) -> Tail:
                 params[v] = None
             else:
                 split[v] = k
-    rows = _shape(t)[axis]
-    sizes = [
-        (v, _jc.nbytes(v.aval))
-        for v in produced
-        if not _jc.is_drop_var(v) and required.get(v) is not None
-    ]
-    largest = max(sizes, key=lambda p: p[1], default=(t, _jc.nbytes(t.aval)))
-    row_bytes = math.ceil(largest[1] / max(1, _shape(largest[0])[required.get(largest[0], axis)]))
-    stopped = tuple((stops[v], v) for v in split if v in stops)
-    assert not set(split) & set(params), "a tail input both split and shared"
-    return Tail(
-        reduction,
-        tuple(sorted(members)),
-        tuple(split.items()),
-        tuple(params),
-        rows,
-        axes,
-        largest,
-        row_bytes,
-        stopped,
-        sum(b for _, b in sizes),
-    )
+    return split, params, produced
 
 
 def _resize(shape: Sequence[int], axis: int, rows: int) -> tuple:
