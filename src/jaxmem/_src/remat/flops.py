@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 
+from jaxmem._src import flop_count as _fc
 from jaxmem._src import jax_compat as _jc
 from jaxmem._src.remat import auto as _auto
 from jaxmem._src.remat import policies as _policies
@@ -22,22 +23,6 @@ class NameEstimate:
     name: str
     bytes: int
     flops: float
-
-
-def _eqn_flops(eqn) -> float:
-    out = sum(
-        _jc.nbytes(v.aval) // max(getattr(v.aval.dtype, "itemsize", 1), 1)
-        for v in eqn.outvars
-        if hasattr(v.aval, "dtype")
-    )
-    if eqn.primitive.name == "dot_general":
-        (lhs_contract, _), _ = eqn.params["dimension_numbers"]
-        shape = eqn.invars[0].aval.shape
-        k = 1
-        for d in lhs_contract:
-            k *= shape[d]
-        return 2.0 * out * k
-    return float(out)
 
 
 def _segment_flops(jaxpr, index: int) -> float:
@@ -55,7 +40,7 @@ def _segment_flops(jaxpr, index: int) -> float:
         eqn = jaxpr.eqns[producer[v]]
         if _jc.eqn_checkpoint_name(eqn) is not None:
             continue  # A named value: saved or recomputed on its own account.
-        total += _eqn_flops(eqn)
+        total += _fc.eqn_flops(eqn)
         stack.extend(eqn.invars)
     return total
 

@@ -41,8 +41,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable
 
-import numpy as np
-
+from jaxmem._src import flop_count as _fc
 from jaxmem._src import jax_compat as jc
 
 # Elementwise functions evaluated by a polynomial or a loop of them: priced per element as
@@ -56,7 +55,7 @@ TRANSCENDENTAL: frozenset[str] = frozenset(
 # Recomputes that copy memory instead of fusing into their consumer.
 LAYOUT: frozenset[str] = frozenset({"transpose", "rev"})
 COPIES: frozenset[str] = frozenset({"concatenate", "pad", "all_gather"})
-DOTS: frozenset[str] = frozenset({"dot_general", "conv_general_dilated", "ragged_dot"})
+DOTS = _fc.DOTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,22 +112,6 @@ def for_backend(platform: str | None = None) -> CostModel:
     return _BY_PLATFORM.get(platform, CPU)
 
 
-def _elements(avals: Iterable) -> int:
-    return sum(int(np.prod(getattr(a, "shape", ()), dtype=np.int64)) for a in avals)
-
-
-def _dot_flops(eqn) -> int:
-    """2 x output elements x contracted size (dot_general); a conv's as its output x kernel."""
-    out = _elements(v.aval for v in eqn.outvars)
-    if eqn.primitive.name == "dot_general":
-        (lhs_c, _), _ = eqn.params["dimension_numbers"]
-        shape = eqn.invars[0].aval.shape
-        k = int(np.prod([shape[d] for d in lhs_c], dtype=np.int64))
-        return 2 * out * k
-    kernel = eqn.invars[1].aval.shape
-    return 2 * out * int(np.prod(kernel[1:], dtype=np.int64))
-
-
 def eqn_seconds(eqn, model: CostModel) -> float:
     """Estimated time of one equation (a call's as the sum of its body's)."""
     name = eqn.primitive.name
@@ -136,14 +119,14 @@ def eqn_seconds(eqn, model: CostModel) -> float:
     if subs:
         return sum(eqn_seconds(e, model) for sub in subs for e in sub.eqns)
     if name in DOTS:
-        return _dot_flops(eqn) / model.dot_flops_per_s
+        return _fc.dot_flops(eqn) / model.dot_flops_per_s
     out_avals = [v.aval for v in eqn.outvars]
     if name in TRANSCENDENTAL:
-        return _elements(out_avals) / model.transcendental_per_s
+        return _fc.elements(out_avals) / model.transcendental_per_s
     if name in COPIES or (name in LAYOUT and not model.fused_transpose):
         return 2 * sum(jc.nbytes(a) for a in out_avals) / model.bytes_per_s
     in_avals = [v.aval for v in eqn.invars if jc.is_var(v)]
-    return max(_elements(out_avals), _elements(in_avals)) / model.elementwise_per_s
+    return max(_fc.elements(out_avals), _fc.elements(in_avals)) / model.elementwise_per_s
 
 
 def traffic_seconds(nbytes: int, model: CostModel) -> float:
