@@ -54,16 +54,17 @@ _selected = _selected_methods()
 
 @pytest.fixture
 def jaxmem_as_nnx_scan(monkeypatch):
-    """``nnx.scan`` is jaxmem's for the test; counts the loops :func:`jaxmem.scan` ran."""
+    """``nnx.scan`` is jaxmem's for the test; counts the loops :func:`jaxmem.scan` ran (every
+    jaxmem loop runs through ``run_with``, the Flax layers' with their options whole)."""
     calls = collections.Counter()
-    real_loop = scan_module.scan
+    real_loop = scan_module.run_with
 
     def counting_loop(*args, **kwargs):
         calls["jaxmem.scan"] += 1
         return real_loop(*args, **kwargs)
 
     monkeypatch.setattr(nnx, "scan", jn.scan)
-    monkeypatch.setattr(scan_module, "scan", counting_loop)
+    monkeypatch.setattr(scan_module, "run_with", counting_loop)
     return calls
 
 

@@ -19,6 +19,7 @@ import pytest
 import jaxmem
 from jaxmem._src.jax_compat import compile_to_measure
 from jaxmem._src.scan import lean, unrolled
+from jaxmem._src.scan import options as jaxmem_options
 from tests import random_bodies as bodies
 
 R = np.random.default_rng(0)
@@ -202,7 +203,8 @@ def test_an_unrolled_loop_reports_its_compiled_temps():
 
 def test_backward_unroll():
     body = lean._Body(jax.make_jaxpr(lambda c, x: (c + x, c))(0.0, 0.0), [], 1, None, None)
-    make = lambda length, unroll: lean._LeanScan(body, length, False, unroll, "auto", None, "")
+    opts = lambda unroll: jaxmem_options.ScanOptions.create("jaxmem.scan", unroll=unroll)
+    make = lambda length, unroll: lean._LeanScan(body, length, False, opts(unroll))
     assert make(8, True).backward_unroll == 1 and make(8, 8).backward_unroll == 1
     assert make(8, 4).backward_unroll == 4 and make(8, 1).backward_unroll == 1
     rolled = make(8, True)

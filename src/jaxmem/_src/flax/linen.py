@@ -64,37 +64,21 @@ def _check_length(length: Any, fname: str) -> int:
     return int(length)
 
 
-def _check_scan_options(
-    policy, offload, recompute, unroll, checkpoints, fname: str, compress=None
-) -> ScanOptions:
-    """Every loop option of a stack or scan, checked (a preset policy name resolved)."""
-    return ScanOptions.create(
-        fname,
-        policy=policy,
-        offload=offload,
-        recompute=recompute,
-        unroll=unroll,
-        checkpoints=checkpoints,
-        compress=compress,
-    )
-
-
 # ------------------------------------------------------------------------------------------
 # The lifted scan: flax.core.lift.scan with jaxmem.scan as the loop.
 
 _NN_SCAN_WAY_OUT = "Use flax.linen.scan (nn.scan) for this module instead."
 
 
-def _lift_transform(carry_only: bool, fname: str, scan_kwargs: Mapping[str, Any]):
+def _lift_transform(carry_only: bool, options: ScanOptions):
     """``lift.scan``'s signature with jaxmem's options bound (``methods`` dicts give per-method
     ``lift.scan`` keywords only)."""
+    fname = options.fname
 
     def scan(fn, *args, **kwargs):  # "scan": the lifted class is Scan<Block>, as with nn.scan
         if kwargs.pop("_split_transpose", False):
             raise NotImplementedError(_split_transpose_message(fname))
-        return _lift_scan(
-            fn, *args, carry_only=carry_only, fname=fname, scan_kwargs=scan_kwargs, **kwargs
-        )
+        return _lift_scan(fn, *args, carry_only=carry_only, options=options, **kwargs)
 
     return scan
 
@@ -124,18 +108,12 @@ def _linen_scan(
     methods,
     split_transpose,
     check_constancy_invariants,
-    policy,
-    offload,
-    recompute,
-    checkpoints,
+    options: ScanOptions,
     carry_only,
-    fname,
-    compress=None,
 ):
-    """The one implementation behind :func:`scan` and :func:`scan_layers`: checks, then lifts."""
-    policy = _check_scan_options(
-        policy, offload, recompute, unroll, checkpoints, fname, compress
-    ).policy
+    """The one implementation behind :func:`scan` and :func:`scan_layers`: checks, then lifts
+    (``options``, checked already, name the caller's API)."""
+    fname = options.fname
     if split_transpose:
         raise NotImplementedError(_split_transpose_message(fname))
     if length is not None:
@@ -150,15 +128,8 @@ def _linen_scan(
             f"{fname} got split_rngs={split_rngs!r}; expected a mapping rng stream -> bool, e.g. "
             "{'params': True, 'dropout': True}."
         )
-    scan_kwargs = {
-        "policy": policy,
-        "offload": offload,
-        "recompute": recompute,
-        "checkpoints": checkpoints,
-        "compress": compress,
-    }
     return _compat.lift_transform(
-        _lift_transform(carry_only, fname, scan_kwargs),
+        _lift_transform(carry_only, options),
         target,
         variable_axes=variable_axes,
         variable_broadcast=variable_broadcast,
@@ -310,13 +281,16 @@ def scan(
         methods=methods,
         split_transpose=_split_transpose,
         check_constancy_invariants=check_constancy_invariants,
-        policy=policy,
-        offload=offload,
-        recompute=recompute,
-        checkpoints=checkpoints,
+        options=ScanOptions.create(
+            "jaxmem.flax.linen.scan",
+            policy=policy,
+            offload=offload,
+            recompute=recompute,
+            unroll=unroll,
+            checkpoints=checkpoints,
+            compress=compress,
+        ),
         carry_only=False,
-        fname="jaxmem.flax.linen.scan",
-        compress=compress,
     )
 
 
@@ -452,6 +426,15 @@ def scan_layers(
             "not supported here: keep them outside the stack, or use jaxmem.flax.linen.scan "
             "with variable_broadcast=..."
         )
+    options = ScanOptions.create(
+        fname,
+        policy=policy,
+        offload=offload,
+        recompute=recompute,
+        unroll=unroll,
+        checkpoints=checkpoints,
+        compress=compress,
+    )
     return _linen_scan(
         block_cls,
         variable_axes=dict(variable_axes),
@@ -468,13 +451,8 @@ def scan_layers(
         methods=None,
         split_transpose=False,
         check_constancy_invariants=True,
-        policy=policy,
-        offload=offload,
-        recompute=recompute,
-        checkpoints=checkpoints,
+        options=options,
         carry_only=bool(carry_only),
-        fname=fname,
-        compress=compress,
     )
 
 

@@ -5,6 +5,7 @@ in and out axes moved to the front and back.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -16,6 +17,7 @@ from jax.tree_util import keystr, tree_flatten_with_path
 
 from jaxmem._src.flax import compat as _compat
 from jaxmem._src.scan import api as _scan
+from jaxmem._src.scan.options import ScanOptions, check_unroll
 
 
 def _to_front(ax, xs):
@@ -54,9 +56,7 @@ def _broadcast_outputs(body_fn, init, xs):
         ) from None
 
 
-def _axes_scan(
-    fn, in_axes, out_axes, length, reverse, unroll, check_constancy, scan_kwargs, fname, on_loop
-):
+def _axes_scan(fn, in_axes, out_axes, length, reverse, unroll, check_constancy, options, on_loop):
     """``flax.core.axes_scan.scan`` with :func:`jaxmem.scan` as its loop.
 
     ``fn(broadcast_in, carry, *args) -> (broadcast_out, carry, ys)``; broadcast outputs are
@@ -87,9 +87,7 @@ def _axes_scan(
                 f"non-carry function outputs.  out_axes was given as {out_axes}"
             )
         on_loop()
-        c, ys = _scan.scan(
-            body_fn, init, xs, length=length, reverse=reverse, unroll=unroll, **scan_kwargs
-        )
+        c, ys = _scan.run_with(body_fn, init, xs, length, bool(reverse), options)
         ys = jax.tree_util.tree_map(_from_front, out_axes, ys)
         if check_constancy:
             ys = jax.tree_util.tree_map(
@@ -149,10 +147,13 @@ def _lift_scan(
     check_constancy_invariants: bool = True,
     *,
     carry_only: bool,
-    fname: str,
-    scan_kwargs: Mapping[str, Any],
+    options: ScanOptions,
 ):
-    """``flax.core.lift.scan`` with ``jaxmem.scan`` as its loop (same rng and variable layout)."""
+    """``flax.core.lift.scan`` with ``jaxmem.scan`` as its loop (same rng and variable layout),
+    under ``options`` (their ``unroll`` replaced by the one lift.scan passes, checked)."""
+    fname = options.fname
+    if (unroll, type(unroll)) != (options.unroll, type(options.unroll)):
+        options = dataclasses.replace(options, unroll=check_unroll(unroll, fname))
     variable_in_axes, variable_out_axes = _compat.split_in_out_axes(variable_axes)
     variable_in_groups, variable_in_axes = _compat.unzip2(variable_in_axes.items())
     variable_out_groups, variable_out_axes = _compat.unzip2(variable_out_axes.items())
@@ -199,8 +200,7 @@ def _lift_scan(
             reverse=reverse,
             unroll=unroll,
             check_constancy=check_constancy_invariants,
-            scan_kwargs=scan_kwargs,
-            fname=fname,
+            options=options,
             on_loop=pin.start_loop,
         )
 

@@ -41,12 +41,11 @@ from jaxmem._src import jax_compat as _jc
 from jaxmem._src.flax import compat as _compat
 from jaxmem._src.flax.linen import (
     _check_length,
-    _check_scan_options,
 )
 from jaxmem._src.remat import auto as _auto
 from jaxmem._src.remat import presets as _presets
 from jaxmem._src.scan import api as _scan
-from jaxmem._src.scan.options import ScanOptions, infer_length
+from jaxmem._src.scan.options import ScanOptions, check_unroll, infer_length
 
 
 def _check_stack(layers: Any, length: int, fname: str):
@@ -144,7 +143,7 @@ def _loop(f, init, xs, length=None, reverse=False, unroll=1, _split_transpose=Fa
     jaxpr is what :func:`jaxmem.scan` runs. ``_split_transpose`` (a ``lax.scan`` layout option of
     its transpose) has no counterpart in jaxmem's backward loop and is ignored.
     """
-    fname = "jaxmem.flax.nnx.scan"
+    fname = options.fname
     carry_leaves, carry_tree = tree_flatten(init)
     x_leaves, x_tree = tree_flatten(xs)
     as_array = lambda x: x if isinstance(x, _jc.Tracer) else jnp.asarray(x)
@@ -171,19 +170,10 @@ def _loop(f, init, xs, length=None, reverse=False, unroll=1, _split_transpose=Fa
         outs = run(*carry, *x)
         return list(outs[:n_carry]), list(outs[n_carry:])
 
-    final, ys = _scan.scan(
-        step,
-        carry_leaves,
-        x_leaves,
-        length=length,
-        reverse=reverse,
-        unroll=unroll,
-        policy=options.policy,
-        offload=options.offload,
-        recompute=options.recompute,
-        checkpoints=options.checkpoints,
-        compress=options.compress,
-    )
+    # Flax passes the layer's unroll on (True and 1 compare equal: their types are compared too).
+    if (unroll, type(unroll)) != (options.unroll, type(options.unroll)):
+        options = dataclasses.replace(options, unroll=check_unroll(unroll, options.fname))
+    final, ys = _scan.run_with(step, carry_leaves, x_leaves, length, bool(reverse), options)
     return tree_unflatten(traced.carry_tree, final), tree_unflatten(traced.y_tree, ys)
 
 
@@ -273,7 +263,15 @@ def scan(
       True
     """
     fname = "jaxmem.flax.nnx.scan"
-    options = _check_scan_options(policy, offload, recompute, unroll, checkpoints, fname, compress)
+    options = ScanOptions.create(
+        fname,
+        policy=policy,
+        offload=offload,
+        recompute=recompute,
+        unroll=unroll,
+        checkpoints=checkpoints,
+        compress=compress,
+    )
     opts = dict(
         length=length,
         reverse=reverse,
@@ -393,15 +391,17 @@ class ScanLayers(nnx.Module):
         fname = "jaxmem.flax.nnx.ScanLayers"
         _check_make_block(make_block, fname)
         self.length = _check_length(length, fname)
-        self.policy = _check_scan_options(
-            policy, offload, recompute, unroll, checkpoints, fname, compress
-        ).policy
-        self.compress = compress
-        self.offload = offload
-        self.recompute = recompute
-        self.checkpoints = checkpoints
+        # The loop's options, checked once and passed whole to every call's loop.
+        self.options = ScanOptions.create(
+            fname,
+            policy=policy,
+            offload=offload,
+            recompute=recompute,
+            unroll=unroll,
+            checkpoints=checkpoints,
+            compress=compress,
+        )
         self.reverse = bool(reverse)
-        self.unroll = unroll
         self.transform_metadata = _check_transform_metadata(transform_metadata, fname)
 
         def make(r):
@@ -429,18 +429,14 @@ class ScanLayers(nnx.Module):
         def step(layer, carry):
             return layer(carry, *args, **kwargs)
 
-        forward = scan(
+        forward = _scan_f(
             step,
+            options=self.options,
             in_axes=(0, nnx.Carry),
             out_axes=nnx.Carry,
             reverse=self.reverse,
-            unroll=self.unroll,
+            unroll=self.options.unroll,
             transform_metadata=self.transform_metadata,
-            policy=self.policy,
-            offload=self.offload,
-            recompute=self.recompute,
-            checkpoints=self.checkpoints,
-            compress=self.compress,
         )
         return forward(self.layers, x)
 

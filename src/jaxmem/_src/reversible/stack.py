@@ -250,9 +250,12 @@ class Coupling:
         diff = [jnp.issubdtype(jnp.result_type(v), jnp.inexact) for v in p_leaves]
         s_leaves, s_trees = zip(*(tree_flatten(s) for s in streams), strict=True)
         c_diff = [[jnp.issubdtype(jnp.result_type(c), jnp.inexact) for c in cs] for cs in consts]
-        run = _make_run(
-            converted, p_tree, diff, s_trees, c_diff, n_layers, k, unroll, opts.compress, fname
-        )
+        plan = _StackPlan(
+            fns=tuple(converted), p_tree=p_tree, diff=tuple(diff), s_trees=tuple(s_trees),
+            c_diff=tuple(tuple(d) for d in c_diff), n_layers=n_layers, k=k, unroll=unroll,
+            compress=opts.compress, fname=fname,
+        )  # fmt: skip
+        run = _ReversibleStack(plan).primitive()
         out = run(
             [list(v) for v in s_leaves],
             [v for v, d in zip(p_leaves, diff, strict=True) if d],
@@ -351,63 +354,110 @@ def _zeros_cotangent(x):
     return np.zeros(np.shape(x), dtype=jax.dtypes.float0)
 
 
-def _make_run(
-    fns, p_tree, diff, s_trees, c_diff, n_layers: int, k: int | None, unroll, compress, fname
-):
-    """The custom-VJP function over flat leaves:
+@dataclasses.dataclass(frozen=True)
+class _StackPlan:
+    """What a reversible stack runs, fixed before its custom VJP is built.
+
+    Attributes:
+      fns: the couplings' functions, closed-over arrays made explicit (``fns[i](p, *others,
+        *consts_i)`` is stream ``i``'s update).
+      p_tree: the layer parameters' tree; ``diff`` per leaf: differentiated (a float).
+      s_trees: each stream's tree; ``c_diff`` per coupling, per constant: differentiated.
+      n_layers: the stack's depth.
+      k: layers per segment whose inputs (anchors) the forward keeps, or None (no anchors:
+        the backward inverts every layer from the output).
+      unroll: the layer loop's unroll.
+      compress: how the anchors are stored (:mod:`jaxmem._src.scan.compress`), or None.
+      fname: the caller's API, for errors.
+    """
+
+    fns: tuple
+    p_tree: Any
+    diff: tuple[bool, ...]
+    s_trees: tuple
+    c_diff: tuple[tuple[bool, ...], ...]
+    n_layers: int
+    k: int | None
+    unroll: Any
+    compress: str | None
+    fname: str
+
+
+class _ReversibleStack:
+    """A reversible stack's custom VJP over flat leaves, in named steps:
     ``run(streams, p_diff, p_fixed, c_diff, c_fixed) -> streams`` (lists of leaves).
 
-    With ``k`` and ``compress``, each leaf of the anchors is stored as
-    ``_compress.encode(leaf, choose(leaf, compress))`` and decoded in the backward loop."""
-    n = len(fns)
+    :meth:`forward` runs the layers (keeping every ``k``-th layer's input, the anchors, for
+    the backward pass), :meth:`backward` inverts the layers from the output one at a time and
+    applies each one's VJP, restarting each segment from its anchor (:meth:`restart`). With
+    ``compress``, each anchor leaf is stored as ``encode(leaf, choose(leaf, compress))``.
+    """
 
-    def encodings(s):
+    def __init__(self, plan: _StackPlan):
+        self.plan = plan
+        self.n = len(plan.fns)
+
+    # -- the layer ---------------------------------------------------------------------------
+
+    def _params(self, p_d, p_f):
+        it_d, it_f = iter(p_d), iter(p_f)
+        return tree_unflatten(
+            self.plan.p_tree, [next(it_d) if d else next(it_f) for d in self.plan.diff]
+        )
+
+    def _consts(self, cd_i, cf_i, i: int):
+        it_d, it_f = iter(cd_i), iter(cf_i)
+        return [next(it_d) if d else next(it_f) for d in self.plan.c_diff[i]]
+
+    def _update(self, i: int, s, p, consts):
+        """Coupling ``i``'s update of stream ``i``, from the other streams."""
+        trees = self.plan.s_trees
+        others = [tree_unflatten(trees[j], s[j]) for j in range(self.n) if j != i]
+        return tree_flatten(self.plan.fns[i](p, *others, *consts))[0]
+
+    def _layer(self, s, p_d, p_f, cd, cf):
+        s = [list(v) for v in s]
+        p = self._params(p_d, p_f)
+        for i in range(self.n):
+            u = self._update(i, s, p, self._consts(cd[i], cf[i], i))
+            s[i] = [a + b for a, b in zip(s[i], u, strict=True)]
+        return s
+
+    def _encodings(self, s):
         """The encoding of each leaf of the streams ``s`` (lists of leaves) in the anchors."""
+        compress = self.plan.compress
         return [
             [_compress.choose(jax.ShapeDtypeStruct(v.shape, v.dtype), compress) for v in vs]
             for vs in s
         ]
 
-    def merge(p_d, p_f):
-        it_d, it_f = iter(p_d), iter(p_f)
-        return tree_unflatten(p_tree, [next(it_d) if d else next(it_f) for d in diff])
+    def _split(self, params):
+        """The per-layer parameters as (the first ``n_layers % k`` layers, the rest as
+        ``[n_layers // k, k, ...]`` segments)."""
+        r, q, k = self.plan.n_layers % self.plan.k, self.plan.n_layers // self.plan.k, self.plan.k
+        head = tree_map(lambda a: a[:r], params)
+        tail = tree_map(lambda a: a[r:].reshape((q, k) + a.shape[1:]), params)
+        return r, head, tail
 
-    def merge_consts(cd, cf, i):
-        it_d, it_f = iter(cd[i]), iter(cf[i])
-        return [next(it_d) if d else next(it_f) for d in c_diff[i]]
+    # -- forward -----------------------------------------------------------------------------
 
-    def update(i, s, p, consts):
-        others = [tree_unflatten(s_trees[j], s[j]) for j in range(n) if j != i]
-        return tree_flatten(fns[i](p, *others, *consts))[0]
-
-    def layer(s, p_d, p_f, cd, cf):
-        s = [list(v) for v in s]
-        p = merge(p_d, p_f)
-        for i in range(n):
-            u = update(i, s, p, merge_consts(cd, cf, i))
-            s[i] = [a + b for a, b in zip(s[i], u, strict=True)]
-        return s
-
-    def forward(s, p_d, p_f, cd, cf, keep: bool):
+    def forward(self, s, p_d, p_f, cd, cf, keep: bool):
         """The stack; with ``keep`` also the anchors (inputs of the full segments)."""
+        plan = self.plan
 
         def body(s, x):
-            return layer(s, *x, cd, cf), None
+            return self._layer(s, *x, cd, cf), None
 
-        if k is None:
-            s, _ = _jc.lax_scan(body, s, (p_d, p_f), length=n_layers, unroll=unroll)
+        if plan.k is None:
+            s, _ = _jc.lax_scan(body, s, (p_d, p_f), length=plan.n_layers, unroll=plan.unroll)
             return s, None
-        r = n_layers % k
-        q = n_layers // k
-        head = tree_map(lambda a: a[:r], (p_d, p_f))
-        tail = tree_map(lambda a: a[r:].reshape((q, k) + a.shape[1:]), (p_d, p_f))
+        r, head, tail = self._split((p_d, p_f))
         if r:
-            s, _ = _jc.lax_scan(body, s, head, unroll=unroll)
-
-        encs = encodings(s)
+            s, _ = _jc.lax_scan(body, s, head, unroll=plan.unroll)
+        encs = self._encodings(s)
 
         def segment(s, x):
-            out, _ = _jc.lax_scan(body, s, x, unroll=unroll)
+            out, _ = _jc.lax_scan(body, s, x, unroll=plan.unroll)
             if not keep:
                 return out, None
             kept = [
@@ -416,27 +466,25 @@ def _make_run(
             ]
             return out, kept
 
-        s, anchors = _jc.lax_scan(segment, s, tail)
-        return s, anchors
+        return _jc.lax_scan(segment, s, tail)
 
-    def back_layer(carry, x, cd, cf):
+    # -- backward ----------------------------------------------------------------------------
+
+    def _back_layer(self, carry, x, cd, cf):
         """Inverts one layer and applies its VJP: streams and their cotangents go back one layer."""
         s, ds, dcd = carry
         p_d, p_f = x
         s, ds = [list(v) for v in s], [list(v) for v in ds]
         dcd = [list(v) for v in dcd]
         dp = [jnp.zeros_like(v) for v in p_d]
-        for i in reversed(range(n)):
-            others_idx = [j for j in range(n) if j != i]
+        for i in reversed(range(self.n)):
+            others_idx = [j for j in range(self.n) if j != i]
 
             def fi(p_d, others, cdi, i=i, others_idx=others_idx):
                 full = list(s)
                 for j, o in zip(others_idx, others, strict=True):
                     full[j] = o
-                cfi = cf[i]
-                it_d, it_f = iter(cdi), iter(cfi)
-                consts = [next(it_d) if d else next(it_f) for d in c_diff[i]]
-                return update(i, full, merge(p_d, p_f), consts)
+                return self._update(i, full, self._params(p_d, p_f), self._consts(cdi, cf[i], i))
 
             u, pull = jax.vjp(fi, p_d, [s[j] for j in others_idx], cd[i])
             s[i] = [a - b for a, b in zip(s[i], u, strict=True)]
@@ -447,67 +495,65 @@ def _make_run(
             dcd[i] = [a + b for a, b in zip(dcd[i], g_c, strict=True)]
         return (s, ds, dcd), dp
 
-    def backward(s, ds, p_d, p_f, cd, cf, anchors):
+    def restart(self, kept, encs):
+        """A segment's input streams, decoded from its anchor."""
+        return [
+            [_compress.decode(v, e) for v, e in zip(vs, es, strict=True)]
+            for vs, es in zip(kept, encs, strict=True)
+        ]
+
+    def backward(self, s, ds, p_d, p_f, cd, cf, anchors):
+        plan = self.plan
         dcd = [[jnp.zeros_like(c) for c in cs] for cs in cd]
 
         def body(carry, x):
-            return back_layer(carry, x, cd, cf)
+            return self._back_layer(carry, x, cd, cf)
 
-        if k is None:
+        if plan.k is None:
             (s, ds, dcd), dp = _jc.lax_scan(
-                body, (s, ds, dcd), (p_d, p_f), length=n_layers, reverse=True, unroll=unroll
-            )
+                body, (s, ds, dcd), (p_d, p_f), length=plan.n_layers, reverse=True,
+                unroll=plan.unroll,
+            )  # fmt: skip
             return ds, dp, dcd
-        r = n_layers % k
-        q = n_layers // k
-        head = tree_map(lambda a: a[:r], (p_d, p_f))
-        tail = tree_map(lambda a: a[r:].reshape((q, k) + a.shape[1:]), (p_d, p_f))
-
-        encs = encodings(s)
+        r, head, tail = self._split((p_d, p_f))
+        encs = self._encodings(s)
 
         def segment(carry, x):
             kept, p = x
-            (_, ds, dcd), dp = _jc.lax_scan(body, carry, p, reverse=True, unroll=unroll)
-            anchor = [
-                [_compress.decode(v, e) for v, e in zip(vs, es, strict=True)]
-                for vs, es in zip(kept, encs, strict=True)
-            ]
-            return (anchor, ds, dcd), dp  # restart from the kept inputs of the segment
+            (_, ds, dcd), dp = _jc.lax_scan(body, carry, p, reverse=True, unroll=plan.unroll)
+            # Inverting further would compound rounding: restart from the segment's anchor.
+            return (self.restart(kept, encs), ds, dcd), dp
 
         (s, ds, dcd), dp_tail = _jc.lax_scan(segment, (s, ds, dcd), (anchors, tail), reverse=True)
+        q, k = plan.n_layers // plan.k, plan.k
         dp_tail = [v.reshape((q * k,) + v.shape[2:]) for v in dp_tail]
         if r:
             (s, ds, dcd), dp_head = _jc.lax_scan(
-                body, (s, ds, dcd), head, reverse=True, unroll=unroll
+                body, (s, ds, dcd), head, reverse=True, unroll=plan.unroll
             )
             dp_tail = [jnp.concatenate([a, b]) for a, b in zip(dp_head, dp_tail, strict=True)]
         return ds, dp_tail, dcd
 
-    def run(s, p_d, p_f, cd, cf):
-        return forward(s, p_d, p_f, cd, cf, keep=False)[0]
+    # -- the custom VJP's rules --------------------------------------------------------------
 
-    def fwd(s, p_d, p_f, cd, cf):
-        if (
-            compress is not None
-            and k is not None
-            and any(_jc.is_differentiated(v) for v in jax.tree.leaves((s, p_d, cd)))
-        ):
-            raise NotImplementedError(
-                f"{fname} got compress={compress!r} under higher-order differentiation "
-                "(jax.hessian, grad of grad): the anchors it keeps are integer bits, through "
-                "which no derivative flows, so the result would be wrong. Use compress=None for "
-                "higher-order derivatives."
+    def run(self, s, p_d, p_f, cd, cf):
+        return self.forward(s, p_d, p_f, cd, cf, keep=False)[0]
+
+    def fwd(self, s, p_d, p_f, cd, cf):
+        if self.plan.k is not None:
+            _compress.check_first_order(
+                self.plan.compress, (s, p_d, cd), self.plan.fname, "the anchors"
             )
-        out, anchors = forward(s, p_d, p_f, cd, cf, keep=True)
+        out, anchors = self.forward(s, p_d, p_f, cd, cf, keep=True)
         return out, (out, p_d, p_f, cd, cf, anchors)
 
-    def bwd(res, ds):
+    def bwd(self, res, ds):
         out, p_d, p_f, cd, cf, anchors = res
         ds = [
             [jnp.asarray(g, v.dtype) for g, v in zip(gs, vs, strict=True)]
             for gs, vs in zip(ds, out, strict=True)
         ]
-        d_s, dp, dcd = backward(out, ds, p_d, p_f, cd, cf, anchors)
+        d_s, dp, dcd = self.backward(out, ds, p_d, p_f, cd, cf, anchors)
         return (
             d_s,
             dp,
@@ -516,7 +562,11 @@ def _make_run(
             [[_zeros_cotangent(c) for c in cs] for cs in cf],
         )
 
-    return _vjp_primitive.custom_vjp(run, fwd=fwd, bwd=bwd, name="reversible_scan")
+    def primitive(self):
+        """The stack as a function with this custom VJP (forward mode and vmap kept)."""
+        return _vjp_primitive.custom_vjp(
+            self.run, fwd=self.fwd, bwd=self.bwd, name="reversible_scan"
+        )
 
 
 # ------------------------------------------------------------------------------------------

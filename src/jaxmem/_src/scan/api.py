@@ -29,14 +29,12 @@ import jax
 
 from jaxmem._src import checks
 from jaxmem._src import jax_compat as _jc
-from jaxmem._src.remat import auto as _auto
 from jaxmem._src.scan import options as _opts
 from jaxmem._src.scan import primitive as _primitive
 from jaxmem._src.scan import schedule as _schedule
 from jaxmem._src.scan import summary as _summary
 from jaxmem._src.scan import unrolled as _unrolled
-from jaxmem._src.scan.lean import _LeanScan, _stock_stacked_bytes
-from jaxmem._src.scan.trace import _drop_forwarded, _prepare
+from jaxmem._src.scan.lean import _stock_stacked_bytes
 
 
 class ForwardModeError(TypeError):
@@ -124,43 +122,27 @@ def _residual_plan(f, init, xs, length, kwargs, *, measure: bool):
         checkpoints=kwargs.get("checkpoints"),
         compress=kwargs.get("compress"),
     )
-    checkpoints = _auto.resolve_checkpoints(opts.policy, opts.checkpoints)
-    stepped = _opts.apply_policy(f, opts.policy, fname)
-    own_remat, f = stepped is not f, stepped
+    f, opts = opts.for_step(f)
 
     def trace(init, xs):
-        prepared = _prepare(f, init, xs, length, fname, diff_consts=True)
-        body, init_leaves, xs_leaves, _, n = prepared
-        body, init_leaves, _ = _drop_forwarded(body, init_leaves, xs_leaves)
-        reverse = bool(kwargs.get("reverse", False))
-        lean = _LeanScan(
-            body, n, reverse, opts.unroll, opts.recompute, opts.offload, fname,
-            compress=opts.compress,
-        )  # fmt: skip
-        lean.own_remat = own_remat  # as jaxmem.scan runs it (primitive.run)
-        plan = lean.plan
-        step = plan.step
+        loop = _primitive.trace_loop(f, init, xs, length, opts, diff_consts=True)
+        n, slots = loop.length, loop.slots
+        lean = loop.lean(bool(kwargs.get("reverse", False)), opts)
+        step = lean.plan.step
         schedule = None
-        slots = _opts.check_checkpoints(checkpoints, opts.offload, n, fname)
         if slots is not None:
             carry_bytes = sum(_jc.nbytes(v.aval) for v in step.carry_invars)
             schedule = _schedule.describe(n, slots, carry_bytes)
         stock = _stock_stacked_bytes(lean.body, step, n)
         summary = _summary.summarize(step, n, stock, schedule)
-        config = _primitive.LoopConfig(
-            fname, opts.recompute, opts.offload, opts.unroll, checkpoints, opts.compress,
-            own_remat=own_remat,
-        )  # fmt: skip
-        unrolled = None if slots is not None else _primitive.unrolled_program(
-            lean, config, init_leaves, xs_leaves, body
-        )  # fmt: skip
+        unrolled = None if slots is not None else _primitive.unrolled_program(lean, loop)
         if unrolled is not None:
             choice, temps = unrolled
             summary = _summary.as_stock(summary) if choice in _unrolled.STOCK else summary
             if temps["stock"] is not None and temps[choice] is not None:
                 summary = dataclasses.replace(summary, compiled=(temps["stock"], temps[choice]))
         elif measure and slots is None:
-            temps = _primitive.loop_temps(lean, config, init_leaves, xs_leaves, body)
+            temps = _primitive.loop_temps(lean, loop)
             if None not in temps:
                 summary = dataclasses.replace(summary, compiled=temps)
         plans.append(summary)
@@ -307,15 +289,15 @@ def scan(
         checkpoints=checkpoints,
         compress=compress,
     )
-    checkpoints = _auto.resolve_checkpoints(opts.policy, opts.checkpoints)
-    stepped = _opts.apply_policy(f, opts.policy, fname)
-    own_remat, f = stepped is not f, stepped
-    config = _primitive.LoopConfig(
-        fname, opts.recompute, opts.offload, opts.unroll, checkpoints, opts.compress,
-        own_remat=own_remat,
-    )  # fmt: skip
+    return run_with(f, init, xs, length, bool(reverse), opts)
+
+
+def run_with(f: Callable, init: Any, xs: Any, length: int | None, reverse: bool, opts):
+    """:func:`scan` with its options checked already (a :class:`ScanOptions`, passed whole
+    from an entry point such as a Flax layer, whose name the errors then carry)."""
+    f, opts = opts.for_step(f)
     try:
-        return _primitive.run(f, init, xs, length, bool(reverse), config)
+        return _primitive.run(f, init, xs, length, reverse, opts)
     except (TypeError, NotImplementedError) as e:  # the custom VJP (jax_compat.hiprim_usable)
         # JAX's TypeError names forward mode; with jax_custom_vjp3 it is a bare
         # NotImplementedError, under a jvp the name stack shows.

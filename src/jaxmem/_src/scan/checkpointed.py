@@ -75,15 +75,16 @@ class _CheckpointedScan:
     advances to the step it reverses (storing carries on the way) and applies that step's VJP.
     One step's activations are live at a time; the checkpoints are the only stack."""
 
-    def __init__(self, body, length, reverse, unroll, slots, offload, fname, spaces=None):
+    def __init__(self, body, length, reverse, opts, slots: int, spaces=None):
         self.body = _Body(body.jaxpr, [], body.n_carry, body.carry_tree, body.y_tree)
         self.n_consts = len(body.consts)
         self.length = length
         self.reverse = reverse
-        self.unroll = unroll
+        # The loop's options (:class:`~jaxmem._src.scan.options.ScanOptions`), whole; ``slots``
+        # is their ``checkpoints`` resolved against the length.
+        self.opts = opts
         self.slots = slots
-        self.offload_checkpoints = offload in ("carries", "all")
-        self.fname = fname
+        self.offload_checkpoints = opts.offload in ("carries", "all")
         self.spaces = spaces
         self.tables = _schedule.revolve(length, slots)
         invars = _jc.open_jaxpr(body.jaxpr).invars
@@ -128,7 +129,7 @@ class _CheckpointedScan:
             sweep,
             (list(init), bufs, ys),
             jnp.arange(length - 1, dtype=jnp.int32),
-            unroll=self.unroll,
+            unroll=self.opts.unroll,
         )
         # The last step is taped here: its VJP is the first one the backward pass applies.
         j = self._x_index(length - 1)
@@ -140,91 +141,36 @@ class _CheckpointedScan:
         return (final, ys), (list(consts), list(xs), bufs, vjp_last)
 
     def _bwd(self, saved, cts):
+        """The backward loop: the last step's VJP (taped by the forward), then each earlier
+        step's, its carry restored from the nearest checkpoint and advanced to it."""
         consts, xs, bufs, vjp_last = saved
         if self.offload_checkpoints:
             bufs = [_to_device(b) for b in bufs]
         ct_final, ct_ys = cts
-        length, tables = self.length, self.tables
-        const_avals, carry_avals = self.const_avals, self.carry_avals
-        x_avals, y_avals = self.x_avals, self.y_avals
-        avals = (const_avals, carry_avals, x_avals, y_avals)
+        length = self.length
+        avals = (self.const_avals, self.carry_avals, self.x_avals, self.y_avals)
         live = _live(self.traced, avals, ct_final, ct_ys)
-        float_consts, float_carry, float_x, float_y = live
-
-        def apply(vjp_fn, ct_carry, p):
-            j = self._x_index(p)
-            d_consts, d_carry, d_x = vjp_fn(
-                (
-                    _with_zeros(carry_avals, float_carry, ct_carry, zero=_jc.zero_cotangent),
-                    _with_zeros(
-                        y_avals,
-                        float_y,
-                        [_index(ct_ys[i], j) for i in float_y],
-                        zero=_jc.zero_cotangent,
-                    ),
-                )
-            )
-            return (
-                [d_consts[i] for i in float_consts],
-                [d_carry[i] for i in float_carry],
-                [d_x[i] for i in float_x],
-            )
-
+        _, float_carry, float_x, _ = live
         ct_carry = [
-            _zeros_ct(carry_avals[i]) if isinstance(ct_final[i], SymbolicZero) else ct_final[i]
+            _zeros_ct(self.carry_avals[i]) if isinstance(ct_final[i], SymbolicZero) else ct_final[i]
             for i in float_carry
         ]
-        d_consts, ct_carry, d_x = apply(vjp_last, ct_carry, length - 1)
+        d_consts, ct_carry, d_x = self._apply(vjp_last, ct_carry, length - 1, live, ct_ys)
         j_last = self._x_index(length - 1)
         ct_xs = [
-            _put(_zeros_ct(x_avals[i], length), d, j_last)
+            _put(_zeros_ct(self.x_avals[i], length), d, j_last)
             for i, d in zip(float_x, d_x, strict=True)
         ]
-        restore_slot = jnp.asarray(tables.restore_slot)
-        # The advance below is a primitive whose rules run later: it reads the schedule from
-        # NumPy (no array of this trace closed over).
-        table = lambda a, i: jnp.asarray(a)[i]
-        # The most steps one advance takes (the static trip count of advance_static).
-        longest = max(1, int((np.arange(length) - tables.restore_pos)[:-1].max(initial=0)))
-
-        def advance_step(u, p, consts, xs, carry, bufs):
-            write = table(tables.snap_when, p) == u
-            bufs = _store(bufs, carry, table(tables.snap_slot, p), write)
-            carry, _ = self.body(consts, carry, self._x_at(xs, p))
-            return carry, bufs
-
-        def advance(u, consts, xs, carry, bufs):
-            """From the carry of step ``restore_pos[u]`` to step ``u``'s: a loop with a dynamic
-            trip count."""
-
-            def step(p, st):
-                _tick(p)
-                return advance_step(u, p, consts, xs, *st)
-
-            return jax.lax.fori_loop(table(tables.restore_pos, u), u, step, (carry, bufs))
-
-        def advance_static(u, consts, xs, carry, bufs):
-            """The same steps in a loop of the schedule's longest advance, the steps past ``u``
-            skipped: a static trip count, which JAX differentiates (grad of grad)."""
-
-            def step(i, st):
-                p = table(tables.restore_pos, u) + i
-                return jax.lax.cond(
-                    p < u, lambda st: advance_step(u, p, consts, xs, *st), lambda st: st, st
-                )
-
-            return jax.lax.fori_loop(0, longest, step, (carry, bufs))
-
-        advance = _differentiable(advance, advance_static)
+        restore_slot = jnp.asarray(self.tables.restore_slot)
+        advance = self._advance()
 
         def back(state, u):
             ct_carry, acc, ct_xs, bufs = state
-            slot = restore_slot[u]
-            carry = [_index(b, slot) for b in bufs]
+            carry = [_index(b, restore_slot[u]) for b in bufs]
             carry, bufs = advance(u, list(consts), list(xs), carry, bufs)
             _tick(u)
             _, vjp_fn = jax.vjp(self.body, list(consts), carry, self._x_at(xs, u))
-            d_consts, ct_carry, d_x = apply(vjp_fn, ct_carry, u)
+            d_consts, ct_carry, d_x = self._apply(vjp_fn, ct_carry, u, live, ct_ys)
             acc = [a + d for a, d in zip(acc, d_consts, strict=True)]
             j = self._x_index(u)
             ct_xs = [_put(s, d, j) for s, d in zip(ct_xs, d_x, strict=True)]
@@ -235,6 +181,60 @@ class _CheckpointedScan:
             (ct_carry, d_consts, ct_xs, bufs),
             jnp.arange(length - 1, dtype=jnp.int32),
             reverse=True,
-            unroll=self.unroll,
+            unroll=self.opts.unroll,
         )
         return _input_cotangents(avals, live, (ct_consts, ct_init, ct_xs), length, self.spaces)
+
+    def _apply(self, vjp_fn, ct_carry, p, live, ct_ys):
+        """Step ``p``'s VJP on the carry's cotangent and its ys' slices: the cotangents of the
+        live (float) consts, carry and xs slice."""
+        float_consts, float_carry, float_x, float_y = live
+        j = self._x_index(p)
+        ct_y = [_index(ct_ys[i], j) for i in float_y]
+        d_consts, d_carry, d_x = vjp_fn(
+            (
+                _with_zeros(self.carry_avals, float_carry, ct_carry, zero=_jc.zero_cotangent),
+                _with_zeros(self.y_avals, float_y, ct_y, zero=_jc.zero_cotangent),
+            )
+        )
+        return (
+            [d_consts[i] for i in float_consts],
+            [d_carry[i] for i in float_carry],
+            [d_x[i] for i in float_x],
+        )
+
+    def _advance(self):
+        """``advance(u, consts, xs, carry, bufs)``: from the carry of step ``restore_pos[u]``
+        to step ``u``'s, storing checkpoints on the way; a loop with a dynamic trip count,
+        differentiated (grad of grad) as the schedule's longest advance with the steps past
+        ``u`` skipped (a static trip count)."""
+        tables = self.tables
+        # The advance is a primitive whose rules run later: it reads the schedule from NumPy
+        # (no array of this trace closed over).
+        table = lambda a, i: jnp.asarray(a)[i]
+        steps = np.arange(self.length) - tables.restore_pos
+        longest = max(1, int(steps[:-1].max(initial=0)))
+
+        def advance_step(u, p, consts, xs, carry, bufs):
+            write = table(tables.snap_when, p) == u
+            bufs = _store(bufs, carry, table(tables.snap_slot, p), write)
+            carry, _ = self.body(consts, carry, self._x_at(xs, p))
+            return carry, bufs
+
+        def dynamic(u, consts, xs, carry, bufs):
+            def step(p, st):
+                _tick(p)
+                return advance_step(u, p, consts, xs, *st)
+
+            return jax.lax.fori_loop(table(tables.restore_pos, u), u, step, (carry, bufs))
+
+        def static(u, consts, xs, carry, bufs):
+            def step(i, st):
+                p = table(tables.restore_pos, u) + i
+                return jax.lax.cond(
+                    p < u, lambda st: advance_step(u, p, consts, xs, *st), lambda st: st, st
+                )
+
+            return jax.lax.fori_loop(0, longest, step, (carry, bufs))
+
+        return _differentiable(dynamic, static)

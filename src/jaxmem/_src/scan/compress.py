@@ -85,6 +85,25 @@ def _is_real_float(dtype) -> bool:
     )
 
 
+def check_first_order(compress: str | None, values: Any, caller: str, kept: str) -> None:
+    """Refuse ``compress=`` under higher-order differentiation, where its result would be wrong.
+
+    What a compressed backward keeps (``kept``: its values, a reversible stack's anchors) is
+    integer bits, through which no derivative flows: a grad of grad would silently miss the
+    terms that pass through them.
+
+    Raises:
+      NotImplementedError: ``compress`` is set and a leaf of ``values`` is being differentiated.
+    """
+    if compress is not None and any(jc.is_differentiated(v) for v in jax.tree.leaves(values)):
+        raise NotImplementedError(
+            f"{caller} got compress={compress!r} under higher-order differentiation "
+            f"(jax.hessian, grad of grad): {kept} it keeps are integer bits, through which no "
+            "derivative flows, so the result would be wrong. Use compress=None for higher-order "
+            "derivatives."
+        )
+
+
 def choose(
     aval, compress: str | None, feeds_exp: bool = False, statistic: bool = False
 ) -> Encoding:

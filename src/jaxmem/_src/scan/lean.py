@@ -95,44 +95,46 @@ class _Saved(NamedTuple):
     init_from_y: list  # init of the carry leaves read from ys
 
 
+class _Reads(NamedTuple):
+    """How the backward loop reads what the forward kept (:meth:`_LeanScan._reads`)."""
+
+    pin_at: list[int]  # residuals that pass a barrier with the cotangent (a remat's constants)
+    pin_all: bool  # every residual passes it (a full remat unrolled whole)
+    index_reads: bool  # the stacks read at an index that passes it, not sliced by the loop
+    index_out: bool  # the carry-out read from the kept carry sequence
+    out_read: list[bool]  # per kept carry sequence: its carry-out is read
+
+
 class _LeanScan:
     """The custom VJP of one :func:`scan`: a forward loop that emits the partial activations
     and a reverse loop that rebuilds each step's residuals from them (docs/design.md §2)."""
 
-    def __init__(
-        self, body, length, reverse, unroll, recompute, offload, fname, spaces=None, compress=None
-    ):
+    def __init__(self, body, length, reverse, opts, spaces=None):
         # The body without its traced constants: they are the custom VJP's first argument, and
         # a reference here (kept alive by the rules) would leak the enclosing trace's tracers.
         self.body = _Body(body.jaxpr, [], body.n_carry, body.carry_tree, body.y_tree)
         self.n_consts = len(body.consts)
         self.length = length
         self.reverse = reverse
-        self.unroll = unroll
-        self.recompute = recompute
-        self.offload = offload
-        self.fname = fname
+        # The loop's options (:class:`~jaxmem._src.scan.options.ScanOptions`), whole.
+        self.opts = opts
         # Memory spaces of the inputs: inputs in host memory get their cotangents there.
         self.spaces = spaces
-        self.compress = compress
         # Whether the backward loop runs rolled (:attr:`backward_unroll`; None: where the loop
         # is unrolled whole). :mod:`jaxmem._src.scan.unrolled` chooses, by compiling.
         self.roll_backward: bool | None = None
-        # Whether the step runs under jaxmem's own jax.checkpoint (scan's policy=): what its
-        # remat recomputes from loop invariants is then kept in the backward loop
-        # (:func:`~jaxmem._src.scan.vjp_parts._pin_invariants`), as under prevent_cse=True.
-        self.own_remat = False
 
     @functools.cached_property
     def plan(self) -> _StackLayout:
         """The plan, made on first use (it depends only on the body's input types)."""
         jaxpr = self.body.jaxpr
         in_avals = [v.aval for v in _jc.open_jaxpr(jaxpr).invars]
-        names = self.offload if isinstance(self.offload, frozenset) else frozenset()
+        opts = self.opts
+        names = opts.offload if isinstance(opts.offload, frozenset) else frozenset()
         step = _res.plan_step(
-            jaxpr, self.n_consts, self.body.n_carry, in_avals, self.recompute, names, self.compress
+            jaxpr, self.n_consts, self.body.n_carry, in_avals, opts.recompute, names, opts.compress
         )
-        stacked, carry = _offload_masks(step, self.offload, self.fname)
+        stacked, carry = _offload_masks(step, opts.offload, opts.fname)
         collectors = _PLAN_COLLECTORS.get()
         if collectors:  # The summary traces stock lax.scan: only when someone asks.
             summary = self.summary(step)
@@ -149,12 +151,12 @@ class _LeanScan:
         )
 
     def _scan(self, f, init, xs, reverse):
-        return _scan_loop(f, init, xs, self.length, reverse, self.unroll)
+        return _scan_loop(f, init, xs, self.length, reverse, self.opts.unroll)
 
     @property
     def unrolled_whole(self) -> bool:
         """Whether the loops are unrolled whole (``unroll=True`` or ``unroll >= length``)."""
-        unroll = _loop_unroll(self.length, self.unroll)
+        unroll = _loop_unroll(self.length, self.opts.unroll)
         return unroll is True or (not isinstance(unroll, bool) and int(unroll) >= self.length)
 
     @property
@@ -167,7 +169,7 @@ class _LeanScan:
         8-24); rolled, each backward step's temporaries are freed before the next (0.33x-0.38x
         that stock, CPU, jax 0.12.0.1). Unrolled in part, the same holds for the steps of one
         unrolled trip, where stock's backward steps, which rebuild nothing, may need less."""
-        unroll = _loop_unroll(self.length, self.unroll)
+        unroll = _loop_unroll(self.length, self.opts.unroll)
         roll = self.unrolled_whole if self.roll_backward is None else self.roll_backward
         if roll and self.length > 1:
             return 1
@@ -177,15 +179,9 @@ class _LeanScan:
         return _primal_scan(self, consts, init, xs)
 
     def _fwd(self, consts, init, xs):
-        if self.compress is not None and any(
-            _jc.is_differentiated(x) for x in (*consts, *init, *xs)
-        ):
-            raise NotImplementedError(
-                f"{self.fname} got compress={self.compress!r} under higher-order "
-                "differentiation (jax.hessian, grad of grad): the compressed values it keeps "
-                "are integer bits, through which no derivative flows, so the result would be "
-                "wrong. Use compress=None for higher-order derivatives."
-            )
+        _compress.check_first_order(
+            self.opts.compress, (consts, init, xs), self.opts.fname, "the compressed values"
+        )
         plan = self.plan
         step_plan = plan.step
         n_carry, n_y = self.body.n_carry, len(step_plan.y_outvars)
@@ -264,101 +260,130 @@ class _LeanScan:
         ]
 
     def _bwd(self, saved: _Saved, cts):
-        plan = self.plan
-        step_plan = plan.step
+        """The backward loop: each step rebuilds its residuals from what the forward kept and
+        applies the step's VJP, in reverse; then the cotangents of the scan's inputs."""
+        step_plan = self.plan.step
         ct_final, ct_ys = cts
-        const_avals = [v.aval for v in step_plan.const_invars]
-        carry_avals = [v.aval for v in step_plan.carry_invars]
-        x_avals = [v.aval for v in step_plan.x_invars]
-        y_avals = [v.aval for v in step_plan.y_outvars]
-        avals = (const_avals, carry_avals, x_avals, y_avals)
+        avals = tuple(
+            [v.aval for v in vs]
+            for vs in (
+                step_plan.const_invars,
+                step_plan.carry_invars,
+                step_plan.x_invars,
+                step_plan.y_outvars,
+            )
+        )
+        const_avals, carry_avals = avals[0], avals[1]
         live = _live(step_plan.traced, avals, ct_final, ct_ys)
-        float_consts, float_carry, float_x, float_y = live
-        rebuild = _jc.jaxpr_as_fun(step_plan.rebuild)
+        float_consts, float_carry, _, float_y = live
+        reads = self._reads(avals, live)
+        init_b = (
+            # A live leaf's final cotangent can still be a symbolic zero (the loss ignores the
+            # final carry, a y reads the carry).
+            [
+                _zeros_ct(carry_avals[i]) if isinstance(ct_final[i], SymbolicZero) else ct_final[i]
+                for i in float_carry
+            ],
+            [_zeros_ct(const_avals[i]) for i in float_consts],
+            [] if reads.index_out else list(saved.final_kept),
+        )
+        read = ([], [], [], []) if reads.index_reads else (
+            saved.xs, saved.ys_read, saved.stacked, saved.carry_seq
+        )  # fmt: skip
+        inputs = (jnp.arange(self.length, dtype=jnp.int32), *read, [ct_ys[i] for i in float_y])
+        step = self._backward_step(saved, avals, live, reads)
+        (ct_init_f, ct_consts_f, _), ct_xs_f = _scan_loop(
+            step, init_b, inputs, self.length, not self.reverse, self.backward_unroll
+        )
+        values = (ct_consts_f, ct_init_f, ct_xs_f)
+        return _input_cotangents(avals, live, values, self.length, self.spaces)
+
+    def _reads(self, avals, live) -> _Reads:
+        """How the backward loop reads what the forward kept, so that XLA schedules each
+        step's reads when the step runs and keeps no more than ``lax.scan`` (docs/design.md §6,
+        "The backward loop's reads", has the measurements behind each choice)."""
+        plan, step_plan = self.plan, self.plan.step
         body_jaxpr = _jc.open_jaxpr(self.body.jaxpr)
         remat = _has_remat(body_jaxpr)
+        # A remat's constants pass a barrier with the cotangent, as jax.checkpoint's
+        # prevent_cse does, so that its recompute is not hoisted into the forward (also under
+        # jaxmem's own policy=, whose checkpoint has prevent_cse=False).
         pin_at = (
             [i for i, k in enumerate(step_plan.res_classes) if k == "const"]
-            if remat and (self.own_remat or _prevents_cse(body_jaxpr))
+            if remat and (self.opts.own_remat or _prevents_cse(body_jaxpr))
             else []
         )
-        # Unrolled whole, the backward steps' recomputes sit beside the forward steps'
-        # computations in one straight-line program, and XLA would schedule a full remat's
-        # recompute (its residuals are the step's inputs alone) in the forward, keeping what it
-        # was to recompute: 2.5x lax.scan's temp over jax.checkpoint at T=7 unrolled. The
-        # inputs then pass a barrier with the cotangent, as jax.checkpoint's prevent_cse passes
-        # a remat's.
-        # Where the policy saves values too, the barrier measured above stock (1.10x on a body
-        # saving its dots) and the recompute from saved values stays where it is.
+        # Unrolled whole, a full remat's recompute (from the step's inputs alone) would be
+        # scheduled beside the forward: every input passes the barrier.
         unroll = self.backward_unroll
         inputs_only = all(k in ("carry", "xs", "const") for k in step_plan.res_classes)
         pin_all = remat and inputs_only and (unroll is True or int(unroll) >= self.length)
-        # Unrolled in part, XLA computes what each unrolled step reads (its slices of the
-        # stacks, a carry-in served from the ys, a remat's recompute from them) at the top of
-        # the loop body, every step's live at once: 1.1x-3.0x lax.scan's temp at unroll 3 or 4
-        # (a barrier on the recompute's inputs instead keeps every step's slices, materialized,
-        # 1.2x-1.5x). The backward step instead reads the stacks at an index that passes a
-        # barrier with the cotangent, so that each step reads when it runs. Not where values
-        # come back from host memory (their reads stay as lax.scan's slices).
+        # Unrolled in part, XLA would read every unrolled step's slices at the top of the loop
+        # body, all live at once: each step reads the stacks at an index that passes a barrier
+        # with the cotangent instead. Not for values back from host memory.
         index_reads = not isinstance(unroll, bool) and 1 < int(unroll) < self.length
         index_reads = index_reads and not any(plan.offload_stacked + plan.offload_carry)
         # Per kept carry sequence: whether its carry-out is read (the next step's carry-in).
         out_read = [
             r for r, k in zip(step_plan.carry_out_read, step_plan.stack_carry, strict=True) if k
         ]
-        # The carry-out a step reads is the next step's carry-in: read from the kept sequence
-        # (the final carry for the last step), not threaded through the loop as a carry of its
-        # own, which held one more carry-sized value and its copy (1.28x lax.scan's temp for a
-        # carry tanh(h) at T=7 on jax 0.12, now 1.14x; up to 12% less on 8 of 200 random bodies).
-        # Threaded where it comes back from host memory or is stored encoded: read so, it would
-        # be fetched and decoded twice.
+        # That carry-out is read from the kept sequence, not threaded through the loop as a
+        # carry of its own (one more carry-sized value and its copy); threaded where it comes
+        # back from host memory or encoded, which reading would fetch and decode twice.
         index_out = (
             any(out_read)
             and self.length > 0
             and not any(plan.offload_carry)
             and all(e.format is None for e in step_plan.enc_carry)
         )
-        # A step whose residuals read nothing at its index from the forward loop's stacks (a
-        # linear step: its VJP needs no residual, or the xs slices alone) reads nothing to
+        # A step that reads nothing at its index from the forward's stacks has nothing to
         # order, and the barrier would only keep XLA from fusing the unrolled steps' cotangent
-        # arithmetic (2.97x lax.scan's temp for x - h at unroll 3; 1.13x for x @ w2, 1.27x for
-        # a carry x @ w). It stays where the VJP returns a carry's cotangent unchanged (h + x): XLA
-        # would take that cotangent for loop-invariant and stack the unrolled steps' copies of
-        # it once, outside the loop (3.0x lax.scan's temp over a remat at unroll 4, whose
-        # prevent_cse barrier keeps lax.scan from doing so; 0.33x without a remat). It stays
-        # under a remat too, as jax.checkpoint's barrier sits between lax.scan's steps there:
-        # without it XLA fused a roll's transpose across three unrolled steps into two buffers
-        # a step (2.0x lax.scan's temp on jax 0.12; with it, 64-192 bytes more on 4 of 200 bodies).
+        # arithmetic; it stays under a remat (as jax.checkpoint's barrier) and where a carry's
+        # cotangent goes through unchanged (XLA would take it for loop-invariant).
         if index_reads and not _reads_at_index(step_plan, index_out):
             index_reads = remat or _forwards_a_carry_cotangent(step_plan, avals, live)
+        return _Reads(pin_at, pin_all, index_reads, index_out, out_read)
+
+    def _kept_at(self, saved: _Saved, reads: _Reads, t, ct_carry, read):
+        """Step ``t``'s slices of what the forward kept, on the device and decoded."""
+        plan, step_plan = self.plan, self.plan.step
+        x, y_read, stacked_t, c_in = read
+        if reads.index_reads:
+            t, ct_carry = jax.lax.optimization_barrier((t, ct_carry))
+            x, y_read, stacked_t, c_in = jax.tree.map(
+                lambda a: jax.lax.dynamic_index_in_dim(a, t, keepdims=False),
+                (saved.xs, saved.ys_read, saved.stacked, saved.carry_seq),
+            )
+        stacked_t = [
+            jax.tree.map(_to_device, v) if off else v
+            for v, off in zip(stacked_t, plan.offload_stacked, strict=True)
+        ]
+        stacked_t = [
+            _compress.decode(v, e) for v, e in zip(stacked_t, step_plan.enc_stacked, strict=True)
+        ]
+        stacked_t = [_unpack(v, n) if n else v for v, n in zip(stacked_t, plan.packed, strict=True)]
+        c_in = [
+            jax.tree.map(_to_device, c) if off else c
+            for c, off in zip(c_in, plan.offload_carry, strict=True)
+        ]
+        c_in = [_compress.decode(c, e) for c, e in zip(c_in, step_plan.enc_carry, strict=True)]
+        return t, ct_carry, (x, y_read, stacked_t, c_in)
+
+    def _backward_step(self, saved: _Saved, avals, live, reads: _Reads):
+        """One step of the backward loop: its residuals rebuilt, then the step's VJP."""
+        step_plan = self.plan.step
+        _, carry_avals, _, y_avals = avals
+        float_consts, float_carry, float_x, float_y = live
+        rebuild = _jc.jaxpr_as_fun(step_plan.rebuild)
 
         def step(bcarry, inp):
             ct_carry, ct_consts, c_out = bcarry
-            t, x, y_read, stacked_t, c_in, ct_y = inp
-            if index_reads:
-                t, ct_carry = jax.lax.optimization_barrier((t, ct_carry))
-                x, y_read, stacked_t, c_in = jax.tree.map(
-                    lambda a: jax.lax.dynamic_index_in_dim(a, t, keepdims=False),
-                    (saved.xs, saved.ys_read, saved.stacked, saved.carry_seq),
-                )
-            stacked_t = [
-                jax.tree.map(_to_device, v) if off else v
-                for v, off in zip(stacked_t, plan.offload_stacked, strict=True)
-            ]
-            stacked_t = [
-                _compress.decode(v, e)
-                for v, e in zip(stacked_t, step_plan.enc_stacked, strict=True)
-            ]
-            stacked_t = [
-                _unpack(v, n) if n else v for v, n in zip(stacked_t, plan.packed, strict=True)
-            ]
-            c_in = [
-                jax.tree.map(_to_device, c) if off else c
-                for c, off in zip(c_in, plan.offload_carry, strict=True)
-            ]
-            c_in = [_compress.decode(c, e) for c, e in zip(c_in, step_plan.enc_carry, strict=True)]
-            if index_out:
-                c_out = self._carry_out_from_seq(saved, t, out_read)
+            t, *read, ct_y = inp
+            t, ct_carry, (x, y_read, stacked_t, c_in) = self._kept_at(
+                saved, reads, t, ct_carry, read
+            )
+            if reads.index_out:
+                c_out = self._carry_out_from_seq(saved, t, reads.out_read)
             res = rebuild(
                 *saved.consts,
                 *saved.hoisted,
@@ -373,38 +398,22 @@ class _LeanScan:
                 _with_zeros(carry_avals, float_carry, ct_carry, zero=_jc.zero_cotangent),
                 _with_zeros(y_avals, float_y, ct_y, zero=_jc.zero_cotangent),
             )
-            if pin_all:
+            if reads.pin_all:
                 res, _ = jax.lax.optimization_barrier((list(res), ct_carry))
-            elif pin_at:
-                res = _pin_invariants(step_plan.res_treedef, list(res), pin_at, cts, ct_carry)
-            vjp_fn = tree_unflatten(step_plan.res_treedef, res)
-            d_consts, d_carry, d_x = vjp_fn(cts)
+            elif reads.pin_at:
+                res = _pin_invariants(step_plan.res_treedef, list(res), reads.pin_at, cts, ct_carry)
+            d_consts, d_carry, d_x = tree_unflatten(step_plan.res_treedef, res)(cts)
             new_ct_consts = [
                 acc + d_consts[i] for acc, i in zip(ct_consts, float_consts, strict=True)
             ]
             new_ct_carry = [d_carry[i] for i in float_carry]
-            c_out = [] if index_out else [c for c, r in zip(c_in, out_read, strict=True) if r]
+            if reads.index_out:
+                c_out = []
+            else:
+                c_out = [c for c, r in zip(c_in, reads.out_read, strict=True) if r]
             return (new_ct_carry, new_ct_consts, c_out), [d_x[i] for i in float_x]
 
-        init_b = (
-            # A live leaf's final cotangent can still be a symbolic zero (the loss ignores the
-            # final carry, a y reads the carry).
-            [
-                _zeros_ct(carry_avals[i]) if isinstance(ct_final[i], SymbolicZero) else ct_final[i]
-                for i in float_carry
-            ],
-            [_zeros_ct(const_avals[i]) for i in float_consts],
-            [] if index_out else list(saved.final_kept),
-        )
-        read = ([], [], [], []) if index_reads else (
-            saved.xs, saved.ys_read, saved.stacked, saved.carry_seq
-        )  # fmt: skip
-        inputs = (jnp.arange(self.length, dtype=jnp.int32), *read, [ct_ys[i] for i in float_y])
-        (ct_init_f, ct_consts_f, _), ct_xs_f = _scan_loop(
-            step, init_b, inputs, self.length, not self.reverse, unroll
-        )
-        values = (ct_consts_f, ct_init_f, ct_xs_f)
-        return _input_cotangents(avals, live, values, self.length, self.spaces)
+        return step
 
 
 def _reads_at_index(step_plan, index_out: bool) -> bool:

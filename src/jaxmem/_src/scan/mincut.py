@@ -133,9 +133,25 @@ def min_cut(
     g = _FlowGraph()
     src, sink = g.node(), g.node()
     inf = 2 * sum(costs.values()) + len(costs) + 1
-    nodes: dict[Hashable, tuple[int, int]] = {}
-    for v in costs:
-        nodes[v] = (g.node(), g.node())
+    # Each value is an edge (in -> out) of its storing cost: cut, it is stored.
+    nodes: dict[Hashable, tuple[int, int]] = {v: (g.node(), g.node()) for v in costs}
+    produced = _add_ops(g, nodes, costs, ops, free, src, inf)
+    _add_inputs(g, nodes, costs, produced | free, unavailable, src, inf)
+    for v in targets:
+        if v in nodes:
+            g.edge(nodes[v][1], sink, inf)
+    cost = g.max_flow(src, sink)
+    if cost >= inf:
+        return None, frozenset()
+    side = g.source_side(src)
+    stored = frozenset(v for v, (vin, vout) in nodes.items() if vin in side and vout not in side)
+    return cost, stored
+
+
+def _add_ops(g, nodes, costs, ops, free, src, inf: int) -> set:
+    """The operations' edges: a cheap op's value can be recomputed from its inputs' (an
+    uncuttable edge from each), any other op's only stored (its value fed by the source).
+    Returns the values some operation produces."""
     produced = set()
     for op in ops:
         for v in op.outputs:
@@ -149,23 +165,20 @@ def min_cut(
                     g.edge(nodes[u][1], vin, inf)
             else:
                 g.edge(src, vin, inf)
+    return produced
+
+
+def _add_inputs(g, nodes, costs, skip, unavailable, src, inf: int) -> None:
+    """The graph's inputs' edges (values neither produced nor free, ``skip``): an unavailable
+    input is never available; any other is stored, or nothing reads it."""
     for v, (vin, vout) in nodes.items():
-        if v in produced or v in free:
+        if v in skip:
             continue
         if v in unavailable:
             g.edge(src, vout, inf)
-        else:  # An input that is not free: store it, or nothing.
+        else:
             g.edge(vin, vout, costs[v])
             g.edge(src, vin, inf)
-    for v in targets:
-        if v in nodes:
-            g.edge(nodes[v][1], sink, inf)
-    cost = g.max_flow(src, sink)
-    if cost >= inf:
-        return None, frozenset()
-    side = g.source_side(src)
-    stored = frozenset(v for v, (vin, vout) in nodes.items() if vin in side and vout not in side)
-    return cost, stored
 
 
 def is_feasible(

@@ -35,6 +35,12 @@ class ScanOptions:
         loop runs (:func:`check_checkpoints`).
       compress: None or one of :data:`COMPRESS_FORMATS`: the format the kept float values are
         stored in between the forward and the backward pass (docs/compress.md).
+      own_remat: the step runs under the policy's ``jax.checkpoint`` (set by :meth:`for_step`
+        when a loop is traced: what its remat recomputes from loop invariants is then kept in
+        the backward loop, as under ``prevent_cse=True``).
+
+    The options travel whole from the entry point to the loop's rules; :meth:`for_step` is
+    the one place the policy is applied, ``"auto"`` resolved against the active plan.
 
     Examples:
       >>> opts = ScanOptions.create("jaxmem.scan", offload=("mlp_in",), unroll=2)
@@ -57,6 +63,7 @@ class ScanOptions:
     unroll: int | bool = 1
     checkpoints: int | str | None = None
     compress: str | None = None
+    own_remat: bool = False
 
     @classmethod
     def create(
@@ -91,6 +98,21 @@ class ScanOptions:
                 "checkpointed carries; use one or the other."
             )
         return opts
+
+    def for_step(self, f) -> tuple[Any, ScanOptions]:
+        """The step as the loop runs it, and the options it runs with.
+
+        The step is put under ``jax.checkpoint(policy=...)`` where there is a policy
+        (``"auto"``: the active :func:`jaxmem.use_plan`'s, resolved now, at trace time, with
+        its ``checkpoints`` where these options give none).
+        """
+        checkpoints = _auto.resolve_checkpoints(self.policy, self.checkpoints)
+        policy = _auto.resolve(self.policy, self.fname)
+        if policy is not None:
+            checks.check_callable(f, "the body f(carry, x)", self.fname)
+            f = jax.checkpoint(f, policy=policy, prevent_cse=False)
+        opts = dataclasses.replace(self, checkpoints=checkpoints, own_remat=policy is not None)
+        return f, opts
 
 
 RECOMPUTE_MODES = ("auto", "cheap", "none")

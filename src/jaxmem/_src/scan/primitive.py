@@ -26,8 +26,7 @@ The primitive prints as ``jaxmem_scan[length=... reverse=... jaxpr=...]`` in a j
 from __future__ import annotations
 
 import copy
-import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -46,39 +45,47 @@ from jaxmem._src.scan.trace import _drop_forwarded, _prepare
 from jaxmem._src.scan.vjp_parts import _loop_unroll
 
 
-@dataclasses.dataclass(frozen=True)
-class LoopConfig:
-    """The resolved options of one loop, shared by the loops its rules derive (hashable)."""
+class Loop(NamedTuple):
+    """One loop traced: its step (constants explicit), inputs and checkpoint slots."""
 
-    fname: str
-    recompute: str
-    offload: Any
-    unroll: int | bool
-    slots_arg: int | str | None  # the checkpoints argument (None: the lean VJP)
-    compress: str | None = None  # the format of the lean VJP's kept float values
-    own_remat: bool = False  # the step runs under jaxmem's policy= (its own jax.checkpoint)
+    body: Any  # the step (:class:`~jaxmem._src.scan.trace._Body`), forwarded carries dropped
+    inputs: tuple  # (consts, init, xs) leaves
+    length: int
+    slots: int | None  # checkpoint slots (None: the lean VJP)
+    restore: Any  # puts the dropped carries back into the outputs
+
+    def lean(self, reverse: bool, opts: _opts.ScanOptions) -> _LeanScan:
+        """The lean VJP's rules for this loop."""
+        spaces = [jax.typeof(v).memory_space for group in self.inputs for v in group]
+        return _LeanScan(self.body, self.length, reverse, opts, spaces)
 
 
-def run(f, init, xs, length, reverse: bool, config: LoopConfig):
-    """Traces ``f`` and runs it as one ``jaxmem_scan``: ``(final carry, ys)`` as pytrees."""
-    body, init_leaves, xs_leaves, _, length = _prepare(f, init, xs, length, config.fname)
+def trace_loop(f, init, xs, length, opts: _opts.ScanOptions, diff_consts=False) -> Loop:
+    """Traces the step ``f`` of a loop under ``opts`` (as :meth:`ScanOptions.for_step` returns
+    them): what :func:`run` runs and :func:`jaxmem.scan_residuals` reports."""
+    prepared = _prepare(f, init, xs, length, opts.fname, diff_consts=diff_consts)
+    body, init_leaves, xs_leaves, _, length = prepared
     body, init_leaves, restore = _drop_forwarded(body, init_leaves, xs_leaves)
-    slots = _opts.check_checkpoints(config.slots_arg, config.offload, length, config.fname)
+    slots = _opts.check_checkpoints(opts.checkpoints, opts.offload, length, opts.fname)
     inputs = (tuple(body.consts), tuple(init_leaves), tuple(xs_leaves))
-    spaces = [jax.typeof(v).memory_space for group in inputs for v in group]
+    return Loop(body, inputs, length, slots, restore)
+
+
+def run(f, init, xs, length, reverse: bool, opts: _opts.ScanOptions):
+    """Traces ``f`` and runs it as one ``jaxmem_scan``: ``(final carry, ys)`` as pytrees.
+
+    ``opts`` are the loop's options as :meth:`~jaxmem._src.scan.options.ScanOptions.for_step`
+    returns them (``checkpoints`` resolved against the active plan, ``own_remat`` set)."""
+    loop = trace_loop(f, init, xs, length, opts)
+    body, inputs, slots, restore = loop.body, loop.inputs, loop.slots, loop.restore
     if slots is None:
-        rules = _LeanScan(
-            body, length, reverse, config.unroll, config.recompute, config.offload,
-            config.fname, spaces, config.compress,
-        )  # fmt: skip
-        rules.own_remat = config.own_remat
+        rules = loop.lean(reverse, opts)
     else:
-        rules = _CheckpointedScan(
-            body, length, reverse, config.unroll, slots, config.offload, config.fname, spaces
-        )
+        spaces = [jax.typeof(v).memory_space for group in inputs for v in group]
+        rules = _CheckpointedScan(body, loop.length, reverse, opts, slots, spaces)
     choice = None  # the program of a loop unrolled whole or in part (scan's unrolled module)
-    if slots is None and _chooses_unrolled(rules, config):
-        choice, _ = _unrolled_choice(rules, config, inputs, body)
+    if slots is None and _chooses_unrolled(rules):
+        choice, _ = _unrolled_choice(rules, inputs, body)
         rules.roll_backward = choice == "rolled_backward"
         collectors = _PLAN_COLLECTORS.get()
         if collectors:  # the program that runs reports its plan (the candidates did not)
@@ -92,61 +99,59 @@ def run(f, init, xs, length, reverse: bool, config: LoopConfig):
         guarded = rules.body.preventing_cse() if choice == "stock_prevent_cse" else None
         final, ys = _stock_program(rules, guarded)(*inputs)
     else:
-        final, ys = _bind(rules, config, inputs)
+        final, ys = _bind(rules, inputs)
     final, ys = restore(final, ys)
     return tree_unflatten(body.carry_tree, final), tree_unflatten(body.y_tree, ys)
 
 
-def _bind(rules, config: LoopConfig, inputs):
+def _bind(rules, inputs):
     """The loop on ``inputs`` ``(consts, init, xs)``: a ``jaxmem_scan`` of its rules, or their
     custom VJP where the primitive is not usable (jax 0.10.2 checking leaks: there forward mode
     raises JAX's TypeError)."""
     if _jc.hiprim_usable():
-        return JaxmemScan(rules, config, inputs)(*inputs)
+        return JaxmemScan(rules, inputs)(*inputs)
     return _custom_vjp(rules)(*(list(g) for g in inputs))
 
 
-def unrolled_program(rules, config: LoopConfig, init_leaves, xs_leaves, body):
+def unrolled_program(rules, loop: Loop):
     """For a loop unrolled whole or in part, the program that runs it and the compiled temp bytes
     of each candidate's gradient on the loop alone (:func:`jaxmem._src.scan.unrolled.measure`,
     :func:`~jaxmem._src.scan.unrolled.keep_unroll`); None for any other loop. What
     :func:`jaxmem.scan_residuals` reports."""
-    if not _chooses_unrolled(rules, config):
+    if not _chooses_unrolled(rules):
         return None
-    inputs = (tuple(body.consts), tuple(init_leaves), tuple(xs_leaves))
-    return _unrolled_choice(rules, config, inputs, body)
+    return _unrolled_choice(rules, loop.inputs, loop.body)
 
 
-def loop_temps(rules, config: LoopConfig, init_leaves, xs_leaves, body) -> tuple:
+def loop_temps(rules, loop: Loop) -> tuple:
     """The compiled temp bytes of the loop's gradient alone, ``(lax.scan's, jaxmem's)`` (each
     None where it does not compile alone), by :func:`jaxmem._src.scan.unrolled.compiled_temp`."""
-    inputs = (tuple(body.consts), tuple(init_leaves), tuple(xs_leaves))
-    in_avals = tuple(tuple(jax.typeof(v) for v in g) for g in inputs)
+    in_avals = tuple(tuple(jax.typeof(v) for v in g) for g in loop.inputs)
 
     def stock(consts, init, xs):
         return rules._primal(list(consts), list(init), list(xs))
 
     def lean(consts, init, xs):
-        return _bind(rules, config, (tuple(consts), tuple(init), tuple(xs)))
+        return _bind(rules, (tuple(consts), tuple(init), tuple(xs)))
 
     with _quiet_plans():
         return tuple(_unrolled.compiled_temp(p, in_avals) for p in (stock, lean))
 
 
-def _chooses_unrolled(rules, config: LoopConfig) -> bool:
+def _chooses_unrolled(rules) -> bool:
     """Whether the program of a loop unrolled whole or in part is chosen by compiling (not with
     offload or compress, which ask for the lean VJP's stacks)."""
-    unroll = _loop_unroll(rules.length, rules.unroll)
+    unroll = _loop_unroll(rules.length, rules.opts.unroll)
     return (
         (rules.unrolled_whole or int(unroll) > 1)
         and rules.length > 1
-        and config.offload is None
-        and config.compress is None
+        and rules.opts.offload is None
+        and rules.opts.compress is None
         and _jc.hiprim_usable()
     )
 
 
-def _unrolled_choice(rules, config: LoopConfig, inputs, body) -> tuple[str, dict]:
+def _unrolled_choice(rules, inputs, body) -> tuple[str, dict]:
     """The program of a loop unrolled whole (:func:`jaxmem._src.scan.unrolled.measure`) or in
     part (:func:`~jaxmem._src.scan.unrolled.keep_unroll`) and each candidate's temp: of its
     programs, each a function of ``(consts, init, xs)``."""
@@ -157,7 +162,7 @@ def _unrolled_choice(rules, config: LoopConfig, inputs, body) -> tuple[str, dict
             variant = copy.copy(rules)
             variant.roll_backward = roll
             groups = (tuple(consts), tuple(init), tuple(xs))
-            return JaxmemScan(variant, config, groups)(*groups)
+            return JaxmemScan(variant, groups)(*groups)
 
         return program
 
@@ -165,7 +170,7 @@ def _unrolled_choice(rules, config: LoopConfig, inputs, body) -> tuple[str, dict
     programs = {"unrolled": lean(False), "stock": _stock_program(rules)}
     if whole:  # a loop unrolled in part keeps its unroll or runs as stock (keep_unroll)
         programs["rolled_backward"] = lean(True)
-    guarded = rules.body.preventing_cse() if rules.own_remat else None
+    guarded = rules.body.preventing_cse() if rules.opts.own_remat else None
     if guarded is not None:
         programs["stock_prevent_cse"] = _stock_program(rules, guarded)
     in_avals = tuple(tuple(jax.typeof(v) for v in g) for g in inputs)
@@ -175,9 +180,9 @@ def _unrolled_choice(rules, config: LoopConfig, inputs, body) -> tuple[str, dict
         in_avals,
         rules.length,
         bool(rules.reverse),
-        rules.unroll,
-        rules.recompute,
-        rules.own_remat,  # the backward loop pins loop invariants (or not)
+        rules.opts.unroll,
+        rules.opts.recompute,
+        rules.opts.own_remat,  # the backward loop pins loop invariants (or not)
         whole,
     )
     measure = _unrolled.measure if whole else _unrolled.keep_unroll
@@ -219,9 +224,8 @@ _is_zero = _jc.is_symbolic_zero
 class JaxmemScan(_jc.HiPrimitive):
     """One :func:`jaxmem.scan` loop: inputs ``(consts, init, xs)``, outputs ``(final, ys)``."""
 
-    def __init__(self, rules, config: LoopConfig, inputs):
+    def __init__(self, rules, inputs):
         self.rules = rules
-        self.config = config
         self.in_avals = tuple(tuple(jax.typeof(v) for v in group) for group in inputs)
         body = _jc.open_jaxpr(rules.body.jaxpr)
         n_carry = rules.body.n_carry
@@ -235,12 +239,11 @@ class JaxmemScan(_jc.HiPrimitive):
         self.params = dict(
             length=rules.length,
             reverse=bool(rules.reverse),
-            unroll=rules.unroll,
+            unroll=rules.opts.unroll,
             checkpoints=getattr(rules, "slots", None),
-            recompute=config.recompute,
+            recompute=rules.opts.recompute,
             jaxpr=rules.body.jaxpr,
             _rules=rules,
-            _config=config,
         )
         super().__init__()
 
@@ -326,7 +329,7 @@ class JaxmemScan(_jc.HiPrimitive):
             xs,
             self.rules.length,
             bool(self.rules.reverse),
-            self.config,
+            self.rules.opts,
         )
         out = (tuple(final), tuple(ys))
         out_dims = (tuple(axis(b) for b in c_b), tuple(1 if b else None for b in y_b))

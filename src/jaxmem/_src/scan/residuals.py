@@ -521,6 +521,58 @@ def named_vars(jaxpr, names) -> frozenset:
 _MAX_PRICED_CUTS = 8
 
 
+def _cut(traced, body, const_only, recompute: str, host_names, size) -> tuple[Stores, Callable]:
+    """Step 1 of :func:`plan_step`: the min-cut of what the backward step keeps, and which
+    equations it may recompute.
+
+    A y the backward step reads is not copied, but it is not free either: reading it keeps its
+    whole stack alive through the backward loop (lax.scan frees ys once the loss's backward has
+    read them, and never computes ys the loss ignores). So the min-cut prices a y like any
+    stored value, and a carry leaf whose carry-out is a y like any kept carry sequence; what it
+    picks among the y outputs is then read from ys, not stacked again."""
+    base_free = const_only | set(traced.x_in)
+    candidates = carry_candidates(traced, [-1] * len(traced.carry_in))
+    host = named_vars(traced.jaxpr, host_names) if host_names else frozenset()
+    if recompute == "auto":
+        cheap, stores = _priced_cut(traced, body, base_free, candidates, host=host, size=size)
+    else:
+        cheap = _is_cheap if recompute == "cheap" else (lambda eqn: False)
+        stores = choose_stores(traced, base_free, candidates, cheap, host, size)
+    return stores, cheap
+
+
+def _backward_reads(traced, available, cheap) -> tuple[list, set]:
+    """Step 2: the residuals the backward step needs, and every value it reads to rebuild them
+    (each recompute cheap, from what is ``available``)."""
+    targets = [v for v in traced.res_out if _is_var(v)]
+    recompute_eqns = needed_eqns(traced.jaxpr.eqns, targets, available)
+    assert all(cheap(e) for e in recompute_eqns)
+    return targets, set(targets) | {u for e in recompute_eqns for u in e.invars if _is_var(u)}
+
+
+def _ys_read(traced, read_by_bwd, available, const_only, from_y, carry_in_read) -> list[bool]:
+    """Step 3: per y, whether the backward loop reads it back from ys.
+
+    A y that is an input of the step (a pass-through: nnx.scan returns the layers' state) is
+    read from that input, never from its ys stack. A y the cut did not keep is recomputed from
+    what it kept, not read back: reading it would keep its whole stack alive, which the cut
+    priced as not kept (a y the loss ignores: 1.06x lax.scan's temp where a leaky relu's output
+    was read back beside the kept pre-activation its mask needs)."""
+    inputs = {*traced.const_in, *traced.x_in}
+    need_y = [
+        _is_var(v)
+        and v in read_by_bwd
+        and v in available
+        and v not in const_only
+        and v not in inputs
+        for v in traced.y_out
+    ]
+    for i, j in enumerate(from_y):
+        if j >= 0 and carry_in_read[i]:
+            need_y[j] = True
+    return need_y
+
+
 def plan_step(
     body,
     n_consts: int,
@@ -548,31 +600,13 @@ def plan_step(
     """
     traced = trace_step_vjp(body, n_consts, n_carry, in_avals)
     const_only = loop_invariants(traced)
-    from_y = carry_from_ys(traced)
-    # A y the backward step reads is not copied, but it is not free either: reading it keeps its
-    # whole stack alive through the backward loop (lax.scan frees ys once the loss's backward has
-    # read them, and never computes ys the loss ignores). So the min-cut prices a y like any
-    # stored value, and a carry leaf whose carry-out is a y like any kept carry sequence; what
-    # it picks among the y outputs is then read from ys, not stacked again.
     y_vars = {v for v in traced.y_out if _is_var(v)}
-    base_free = const_only | set(traced.x_in)
-    candidates = carry_candidates(traced, [-1] * len(traced.carry_in))
-    host = named_vars(traced.jaxpr, host_names) if host_names else frozenset()
     size = kept_size(traced, compress)
-    if recompute == "auto":
-        cheap, stores = _priced_cut(traced, body, base_free, candidates, host=host, size=size)
-    else:
-        cheap = _is_cheap if recompute == "cheap" else (lambda eqn: False)
-        stores = choose_stores(traced, base_free, candidates, cheap, host, size)
+    stores, cheap = _cut(traced, body, const_only, recompute, host_names, size)
     # Kept carry leaves whose carry-out is a y are read from ys (shifted), not stacked.
-    from_y = [j if i in stores.kept_carry else -1 for i, j in enumerate(from_y)]
-
-    # What the backward step evaluates, and from what.
+    from_y = [j if i in stores.kept_carry else -1 for i, j in enumerate(carry_from_ys(traced))]
     available = stores.free | stores.stored
-    targets = [v for v in traced.res_out if _is_var(v)]
-    recompute_eqns = needed_eqns(traced.jaxpr.eqns, targets, available)
-    assert all(cheap(e) for e in recompute_eqns)
-    read_by_bwd = set(targets) | {u for e in recompute_eqns for u in e.invars if _is_var(u)}
+    targets, read_by_bwd = _backward_reads(traced, available, cheap)
     eqn_outs = {v for e in traced.jaxpr.eqns for v in e.outvars}
     # The cut's sets in program order: the loop's stacks, and so the compiled program, are the
     # same in every process (a set of variables iterates in the order of their ids).
@@ -591,27 +625,8 @@ def plan_step(
         for i, v in enumerate(traced.carry_in)
     )
     carry_in_read = tuple(v in read_by_bwd for v in traced.carry_in)
-    # A y that is an input of the step (a pass-through: nnx.scan returns the layers' state) is
-    # read from that input, never from its ys stack. A y the cut did not keep is recomputed from
-    # what it kept, not read back: reading it would keep its whole stack alive, which the cut
-    # priced as not kept (a y the loss ignores: 1.06x lax.scan's temp where a leaky relu's
-    # output was read back beside the kept pre-activation its mask needs).
-    inputs = {*traced.const_in, *traced.x_in}
-    need_y = [
-        _is_var(v)
-        and v in read_by_bwd
-        and v in available
-        and v not in const_only
-        and v not in inputs
-        for v in traced.y_out
-    ]
-    for i, j in enumerate(from_y):
-        if j >= 0 and carry_in_read[i]:
-            need_y[j] = True
-    for j in carry_seq_y:
-        if j >= 0:
-            need_y[j] = True
-    need_y = tuple(need_y)
+    need_y = _ys_read(traced, read_by_bwd, available, const_only, from_y, carry_in_read)
+    need_y = tuple(n or j in carry_seq_y for j, n in enumerate(need_y))
     # A kept carry-out is an input of the rebuild only where it is read and not bound earlier in
     # the rebuild's inputs (as a const, hoisted value, xs slice or y read back).
     earlier = {*traced.const_in, *hoisted, *traced.x_in}
@@ -645,53 +660,3 @@ def plan_step(
 
 # ------------------------------------------------------------------------------------------
 # The public view of a plan.
-
-
-# ------------------------------------------------------------------------------------------
-# Which cotangents of the backward loop can be nonzero (known only in the backward pass).
-
-
-def live_cotangents(traced: TracedStep, live_final: Sequence[bool], live_y: Sequence[bool]):
-    """Which cotangents of a step can be nonzero in the backward loop, given the loss's.
-
-    Args:
-      traced: the step's VJP.
-      live_final: per carry leaf, whether the cotangent of the final carry can be nonzero (False
-        where the custom VJP got a symbolic zero: the loss ignores that leaf of the final carry).
-      live_y: per y leaf, the same for the ys.
-
-    Returns:
-      ``(live_carry, live_in)``. ``live_carry``: per carry leaf, whether its cotangent can be
-      nonzero in some step: a fixed point over the steps, since the carry-in cotangent of a step
-      is nonzero only if the carry-in reaches, in the step's dataflow, a carry-out or a y whose
-      cotangent is nonzero (what ``lax.scan``'s DCE of its linearized loop finds). ``live_in``:
-      per input of ``J`` (consts, carry, x), whether it reaches an output with a nonzero
-      cotangent. All other cotangents are zero in every step. Conservative: an equation's
-      outputs depend on all its inputs.
-    """
-    jaxpr = traced.jaxpr
-    deps: dict = {v: 1 << k for k, v in enumerate(jaxpr.invars)}
-    for eqn in jaxpr.eqns:
-        mask = 0
-        for u in eqn.invars:
-            if _is_var(u):
-                mask |= deps.get(u, 0)
-        if mask:
-            for v in eqn.outvars:
-                deps[v] = mask
-    dep = lambda v: deps.get(v, 0) if _is_var(v) else 0
-    from_ys = 0
-    for v, live in zip(traced.y_out, live_y, strict=True):
-        if live:
-            from_ys |= dep(v)
-    n_consts = len(traced.const_in)
-    live = [bool(b) for b in live_final]
-    while True:
-        reach = from_ys
-        for j, v in enumerate(traced.carry_out):
-            if live[j]:
-                reach |= dep(v)
-        new = [live[i] or bool(reach >> (n_consts + i) & 1) for i in range(len(live))]
-        if new == live:
-            return live, [bool(reach >> k & 1) for k in range(len(jaxpr.invars))]
-        live = new

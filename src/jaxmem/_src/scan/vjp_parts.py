@@ -13,7 +13,6 @@ from jax.tree_util import tree_unflatten
 
 from jaxmem._src import jax_compat as _jc
 from jaxmem._src.scan import jaxprs as _jaxprs
-from jaxmem._src.scan import residuals as _res
 from jaxmem._src.scan.hooks import _tick
 
 
@@ -61,7 +60,7 @@ def _live(traced, avals, ct_final, ct_ys) -> _Live:
     """
     const_avals, carry_avals, x_avals, y_avals = avals
     is_zero = lambda ct: isinstance(ct, SymbolicZero)
-    live_carry, live_in = _res.live_cotangents(
+    live_carry, live_in = live_cotangents(
         traced,
         [_jc.is_float(a) and not is_zero(ct) for a, ct in zip(carry_avals, ct_final, strict=True)],
         [_jc.is_float(a) and not is_zero(ct) for a, ct in zip(y_avals, ct_ys, strict=True)],
@@ -73,6 +72,53 @@ def _live(traced, avals, ct_final, ct_ys) -> _Live:
         x=[i for i, a in enumerate(x_avals) if _jc.is_float(a) and live_in[n_in + i]],
         y=[i for i, a in enumerate(y_avals) if _jc.is_float(a) and not is_zero(ct_ys[i])],
     )
+
+
+def live_cotangents(traced, live_final, live_y) -> tuple[list[bool], list[bool]]:
+    """Which cotangents of a step can be nonzero in the backward loop, given the loss's.
+
+    Args:
+      traced: the step's VJP (:class:`~jaxmem._src.scan.residuals.TracedStep`).
+      live_final: per carry leaf, whether the cotangent of the final carry can be nonzero (False
+        where the custom VJP got a symbolic zero: the loss ignores that leaf of the final carry).
+      live_y: per y leaf, the same for the ys.
+
+    Returns:
+      ``(live_carry, live_in)``. ``live_carry``: per carry leaf, whether its cotangent can be
+      nonzero in some step: a fixed point over the steps, since the carry-in cotangent of a step
+      is nonzero only if the carry-in reaches, in the step's dataflow, a carry-out or a y whose
+      cotangent is nonzero (what ``lax.scan``'s DCE of its linearized loop finds). ``live_in``:
+      per input of ``J`` (consts, carry, x), whether it reaches an output with a nonzero
+      cotangent. All other cotangents are zero in every step. Conservative: an equation's
+      outputs depend on all its inputs.
+    """
+    dep = _input_masks(traced.jaxpr)
+    from_ys = 0
+    for v, live in zip(traced.y_out, live_y, strict=True):
+        from_ys |= dep(v) if live else 0
+    n_consts = len(traced.const_in)
+    live = [bool(b) for b in live_final]
+    while True:
+        reach = from_ys
+        for v, carried in zip(traced.carry_out, live, strict=True):
+            reach |= dep(v) if carried else 0
+        new = [live[i] or bool(reach >> (n_consts + i) & 1) for i in range(len(live))]
+        if new == live:
+            return live, [bool(reach >> k & 1) for k in range(len(traced.jaxpr.invars))]
+        live = new
+
+
+def _input_masks(jaxpr):
+    """``dep(v)``: the inputs of ``jaxpr`` that value ``v`` depends on, as a bit mask (bit
+    ``k``: input ``k``; a literal depends on none)."""
+    deps: dict = {v: 1 << k for k, v in enumerate(jaxpr.invars)}
+    for eqn in jaxpr.eqns:
+        mask = 0
+        for u in eqn.invars:
+            mask |= deps.get(u, 0) if _jc.is_var(u) else 0
+        if mask:
+            deps.update((v, mask) for v in eqn.outvars)
+    return lambda v: deps.get(v, 0) if _jc.is_var(v) else 0
 
 
 def _input_cotangents(avals, live: _Live, values, length: int, spaces):
@@ -187,4 +233,6 @@ def _primal_scan(vjp, consts, init, xs):
         _tick(0)
         return vjp.body(consts, c, x)
 
-    return _jc.lax_scan(step, init, xs, length=vjp.length, reverse=vjp.reverse, unroll=vjp.unroll)
+    return _jc.lax_scan(
+        step, init, xs, length=vjp.length, reverse=vjp.reverse, unroll=vjp.opts.unroll
+    )
