@@ -459,6 +459,29 @@ def _is_array(x) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic)) or isinstance(x, _jc.Tracer)
 
 
+def _check_budget(budget, objective, policy, checkpoints, options, fname: str):
+    """``budget`` read as bytes (None stays None), checked against the options it excludes,
+    and ``objective`` with it."""
+    if objective not in _budget.OBJECTIVES:
+        raise ValueError(
+            f"{fname}: objective must be one of {', '.join(map(repr, _budget.OBJECTIVES))}, "
+            f"got {objective!r}"
+        )
+    if budget is None:
+        if objective != "flops":
+            raise TypeError(
+                f"{fname}: objective={objective!r} is the budget's; pass budget= with it"
+            )
+        return None
+    budget = checks.byte_count(budget, "budget", fname)
+    if policy is not None or checkpoints is not None or options is not None:
+        raise TypeError(
+            f"{fname}: budget= chooses each scan's policy and checkpoints; pass budget= or "
+            "policy/checkpoints/options, not both"
+        )
+    return budget
+
+
 def optimize(
     fn: Callable | None = None,
     *,
@@ -566,20 +589,7 @@ def optimize(
                 "budget/policy/checkpoints/options, not both"
             )
         given["policy"] = "auto"  # every scan as a policy="auto" stack, resolved by the plan
-    if objective not in _budget.OBJECTIVES:
-        raise ValueError(
-            f"{fname}: objective must be one of {', '.join(map(repr, _budget.OBJECTIVES))}, "
-            f"got {objective!r}"
-        )
-    if budget is not None:
-        budget = checks.byte_count(budget, "budget", fname)
-        if policy is not None or checkpoints is not None or options is not None:
-            raise TypeError(
-                f"{fname}: budget= chooses each scan's policy and checkpoints; pass budget= or "
-                "policy/checkpoints/options, not both"
-            )
-    elif objective != "flops":
-        raise TypeError(f"{fname}: objective={objective!r} is the budget's; pass budget= with it")
+    budget = _check_budget(budget, objective, policy, checkpoints, options, fname)
 
     def make(f):
         checks.check_callable(f, "fn", fname)
