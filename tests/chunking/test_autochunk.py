@@ -151,22 +151,65 @@ def test_closed_over_values_get_their_gradients():
     _close(jax.grad(outer, argnums=(0, 1))(1.5, X), jax.grad(stock, argnums=(0, 1))(1.5, X))
 
 
-def test_random_numbers_and_custom_derivatives_end_the_tail():
+def test_random_numbers_and_a_rule_that_mixes_rows_end_the_tail():
     key = jax.random.key(3)
+
+    @jax.custom_jvp
+    def doubled(z):  # row-wise, but its derivative rule reads every row
+        return 2.0 * z
+
+    @doubled.defjvp
+    def _(primals, tangents):
+        (z,), (t,) = primals, tangents
+        return doubled(z), 2.0 * t + jnp.mean(t, axis=0, keepdims=True)
 
     def dropout_head(x, w, y):
         logits = x @ w
         keep = jax.random.bernoulli(key, 0.9, logits.shape)
         return ce_logits(jnp.where(keep, logits, 0.0) / 0.9, y)
 
-    def relu_head(x, w, y):
-        return ce(jax.nn.relu(x), w, y) + jnp.sum(jax.nn.relu(x @ w) ** 2)
+    def mixing_head(x, w, y):
+        return ce_logits(doubled(x @ w), y)
 
-    for f in (dropout_head, relu_head):
+    for f in (dropout_head, mixing_head):
         lean = jaxmem.autochunk(f, max_chunk_bytes=SMALL)
         _same_grads(f, lean, X, W, Y)
     stops = " ".join(lean.explain(X, W, Y).tails[0].stopped)
     assert "custom_jvp_call is not row-wise" in stops, stops
+
+
+def test_custom_jvp_functions_run_in_the_chunks_with_their_own_rules():
+    """relu and a straight-through rounding (whose rule is not its body's derivative: that is
+    zero) join the tail; each chunk is differentiated by their rules, in every mode."""
+
+    @jax.custom_jvp
+    def st_round(z):
+        return jnp.round(z)
+
+    st_round.defjvp(lambda primals, tangents: (st_round(*primals), *tangents))
+
+    def loss(x, w, y):
+        return ce_logits(st_round(8.0 * jax.nn.relu(x @ w)) / 8.0, y)
+
+    lean = jaxmem.autochunk(loss, max_chunk_bytes=SMALL)
+    report = lean.explain(X, W, Y)
+    assert report.chunked and len(report.tails) == 1, str(report)
+    tail = report.tails[0]
+    assert (tail.chunk_size, tail.num_chunks, tail.stopped) == (5, 5, ()), str(report)
+    assert [s.split()[0] for s in tail.inputs] == ["float32[24,8]", "int32[24]"]
+    assert tail.columns == 0 and "custom_jvp_call" in tail.column_note, tail.column_note
+    _same_grads(loss, lean, X, W, Y)
+    modes = {
+        "jvp": lambda h: jax.jvp(lambda x, w: h(x, w, Y), (X, W), (X, W)),
+        "hessian": lambda h: jax.hessian(lambda b: h(X, W + b[:, None], Y))(W[:, 0]),
+        "vmap_of_grad": lambda h: jax.vmap(jax.grad(lambda w, x: h(x, w, Y)), (None, 0))(
+            W, jnp.stack([X, 0.5 * X])
+        ),
+    }
+    for name, mode in modes.items():
+        got, want = mode(lean), mode(loss)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 def ce_logits(logits, y):

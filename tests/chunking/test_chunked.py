@@ -7,6 +7,7 @@ import optax
 import pytest
 
 from jaxmem import chunked
+from tests import helpers
 
 N, D, V = 10, 8, 16
 KEYS = jax.random.split(jax.random.key(0), 3)
@@ -65,8 +66,11 @@ def test_the_logits_are_not_kept_for_the_backward_pass():
 
     naive, chunk = temp(ce), temp(chunked(ce, split=(0, 2), chunk_size=64))
     logits, block = n * v * 4, 64 * v * 4  # f32 [n, v] and [chunk, v]
-    # Naive keeps the logits (and their softmax); chunked about two [chunk, v] blocks.
-    assert naive >= 2 * logits and chunk <= 2 * block + 64 * 1024, (naive, chunk)
+    # Naive keeps the logits and their softmax; with jax 0.12's own derivative rule of
+    # jax.nn.logsumexp (written out on 0.10.2), the softmax alone. Chunked: about two [chunk, v]
+    # blocks.
+    kept = 1 if helpers.JAX_VERSION >= (0, 12) else 2
+    assert naive >= kept * logits and chunk <= 2 * block + 64 * 1024, (naive, chunk)
 
 
 def test_bad_input():

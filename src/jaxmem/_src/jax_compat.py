@@ -43,15 +43,16 @@ name_p = _prims.name_p  # jax.extend.core.primitives: checkpoint_name's primitiv
 # Primitive names that run a sub-jaxpr as a call: "jit" (0.10, 0.12; "pjit" before), 0.10's
 # "closed_call"/"core_call", and 0.12's "eval_jaxpr" (which replaced them).
 CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call", "eval_jaxpr"})
+# A ``jax.custom_jvp`` function (0.10.2 and 0.12): its body the ``call_jaxpr`` parameter, its
+# rule :func:`custom_jvp_rule`. On 0.12 ``jax.nn.logsumexp`` and ``softmax`` are such functions.
+CUSTOM_JVP_PRIMITIVES = frozenset({"custom_jvp_call"})
 LOOP_PRIMITIVES = frozenset({"scan", "while"})
 
 
 def is_float(x: Any) -> bool:
     """Whether ``x`` has an inexact (floating or complex) dtype: the values that have tangents.
-
     ``x`` is an array, a Python scalar, an aval, or a jaxpr variable or literal (its ``aval``);
-    False for what has no dtype (tokens) and for extended dtypes (PRNG keys).
-    """
+    False for what has no dtype (tokens) and for extended dtypes (PRNG keys)."""
     aval = getattr(x, "aval", x)
     dtype = getattr(aval, "dtype", None)
     if dtype is None:
@@ -87,15 +88,13 @@ lax_scan = _loops.scan
 
 def without_source_traceback():
     """Context in which the equations traced carry an empty traceback (no source location).
-
     For the per-shard program a ``custom_partitioning`` callback returns. XLA 0.10.2 merges that
     program's stack frames into the caller's without renumbering them; when the caller's own
     Python stack was deep enough (about 30 user frames at the call: pytest-xdist's) the merged
     frame table had a cycle and the CPU compiler's WhileLoopSimplifier (CallInliner ->
     PropagateCallMetadata -> StackFrames::IsPrefix) walked it forever. Without frames in the
     callback's program there is nothing to merge. Private: ``jax._src.lib.xla_client.Traceback()``
-    (an empty traceback, 0.10.2 and 0.12); ``user_context`` is public (``jax.extend``).
-    """
+    (an empty traceback, 0.10.2 and 0.12); ``user_context`` is public (``jax.extend``)."""
     from jax._src.lib import xla_client
 
     return _siu.user_context(xla_client.Traceback(), name_stack=_siu.current_name_stack())
@@ -123,10 +122,8 @@ def jaxpr_consts(closed) -> list:
 
 def closed_jaxpr(jaxpr, consts: Sequence) -> Any:
     """Closes ``jaxpr`` over ``consts`` (values of its ``constvars``, in order).
-
     0.10: ``ClosedJaxpr(jaxpr, consts)``. 0.12: ``ClosedJaxpr`` is ``Jaxpr`` and
-    ``Jaxpr(jaxpr, consts)`` copies ``jaxpr`` with these constants.
-    """
+    ``Jaxpr(jaxpr, consts)`` copies ``jaxpr`` with these constants."""
     return _xcore.ClosedJaxpr(jaxpr, list(consts))
 
 
@@ -134,11 +131,9 @@ def make_jaxpr(
     jaxpr_like, *, constvars=None, invars=None, outvars=None, eqns=None, effects=None
 ) -> Any:
     """A new open jaxpr from the parts of ``jaxpr_like``, with the given parts replaced.
-
     Built with the public ``jax.extend.core.Jaxpr`` constructor (both versions accept
     ``Jaxpr(constvars, invars, outvars, eqns, effects, debug_info)``; on 0.12 the result carries
-    no constants, so close it with :func:`closed_jaxpr`).
-    """
+    no constants, so close it with :func:`closed_jaxpr`)."""
     j = open_jaxpr(jaxpr_like) if is_closed_jaxpr(jaxpr_like) else jaxpr_like
     eqns = list(j.eqns if eqns is None else eqns)
     if effects is None:
@@ -191,12 +186,10 @@ def subjaxprs(eqn) -> list:
 def remat3_params(eqn):
     """``(jaxpr, policy, prevent_cse)`` of a ``jax.checkpoint`` staged under ``jax_remat3``, else
     None.
-
     With ``jax_remat3`` on (0.10.2 and 0.12), ``jax.checkpoint`` stages a hijax primitive,
     ``call_hi_primitive[_prim=RematTraced]``, in place of ``remat2``; its ``jaxpr`` is the
     function checkpointed, ``prevent_cse`` a bool or one per input. Private:
-    ``jax._src.ad_checkpoint.RematTraced`` (read by its class name and attributes).
-    """
+    ``jax._src.ad_checkpoint.RematTraced`` (read by its class name and attributes)."""
     if eqn.primitive.name != "call_hi_primitive":
         return None
     prim = eqn.params.get("_prim")
@@ -207,10 +200,8 @@ def remat3_params(eqn):
 
 def eqn_checkpoint_name(eqn) -> str | None:
     """The name an equation gives its output with ``checkpoint_name``, or None.
-
     0.10 and 0.12: ``name_p`` with a ``name`` parameter. 0.12 can also stage the name as a
-    higher-order call whose ``_prim`` parameter carries ``.name`` (``CheckpointName``).
-    """
+    higher-order call whose ``_prim`` parameter carries ``.name`` (``CheckpointName``)."""
     if eqn.primitive is name_p:
         return eqn.params["name"]
     prim = eqn.params.get("_prim")
@@ -225,13 +216,11 @@ def eqn_checkpoint_name(eqn) -> str | None:
 
 def struct(aval) -> jax.ShapeDtypeStruct:
     """A ``jax.ShapeDtypeStruct`` of an abstract value to trace with.
-
     Keeps the shape, dtype, weak type, sharding (an Explicit mesh's sharding in types) and manual
     axis type (the varying manual axes inside ``shard_map``, "vma"), so that what is traced from
     it types like the value it stands for. The memory space is not kept (a body traced from
     host-resident inputs computes on device; offload is explicit). ``manual_axis_type`` is the
-    name of both versions (0.10 and 0.12) for what ``jax.typeof(x).mat`` holds.
-    """
+    name of both versions (0.10 and 0.12) for what ``jax.typeof(x).mat`` holds."""
     kwargs = {}
     sharding = getattr(aval, "sharding", None)
     if sharding is not None:
@@ -248,9 +237,7 @@ def unstacked(aval, length: int):
     """The type of one slice ``x[t]`` of a value of type ``aval`` (length ``length`` first axis),
     as ``lax.scan`` types its body's ``x``: sharding and manual axes kept, the leading axis's
     partition dropped.
-
-    Private: ``jax._src.core.mapped_leading_aval`` (0.10 and 0.12).
-    """
+    Private: ``jax._src.core.mapped_leading_aval`` (0.10 and 0.12)."""
     from jax._src import core
 
     return core.mapped_leading_aval(length, aval)
@@ -259,9 +246,7 @@ def unstacked(aval, length: int):
 def stacked(aval, length: int):
     """The type of ``length`` values of type ``aval`` stacked on a new leading axis (as
     ``lax.scan`` types its ys): the leading axis unpartitioned.
-
-    Private: ``jax._src.core.unmapped_aval`` (0.10 and 0.12).
-    """
+    Private: ``jax._src.core.unmapped_aval`` (0.10 and 0.12)."""
     from jax._src import core
 
     return core.unmapped_aval(length, 0, aval)
@@ -270,10 +255,8 @@ def stacked(aval, length: int):
 def zeros(aval):
     """An array of zeros of type ``aval``: its sharding (Explicit meshes) and its varying manual
     axes (inside ``shard_map``) included, as a cotangent of a value of that type must be.
-
     Private: ``jax._src.ad_util.zeros_like_aval`` (0.10 and 0.12), what JAX's own AD
-    instantiates symbolic zeros with.
-    """
+    instantiates symbolic zeros with."""
     from jax._src import ad_util
 
     return ad_util.zeros_like_aval(aval)
@@ -281,11 +264,9 @@ def zeros(aval):
 
 def varying_axes(x) -> frozenset:
     """The manual mesh axes ``x`` varies over inside ``jax.shard_map`` (its "vma"); empty outside.
-
     ``jax.typeof(x).manual_axis_type.varying`` (0.10 and 0.12): an attribute of the public
     ``jax.typeof`` that JAX does not document. A custom VJP inside ``shard_map(check_vma=True)``
-    needs it to return each cotangent varying over exactly the axes its input varies over.
-    """
+    needs it to return each cotangent varying over exactly the axes its input varies over."""
     return frozenset(jax.typeof(x).manual_axis_type.varying)
 
 
@@ -325,10 +306,8 @@ def is_host(aval) -> bool:
 
 def user_frame(source_info):
     """The innermost user frame of an equation (``file_name``, ``start_line``, ``function_name``).
-
     Private: ``jax._src.source_info_util.user_frame`` (same in 0.10 and 0.12). The public
-    ``summarize`` gives only a formatted string; this gives the parts without parsing it.
-    """
+    ``summarize`` gives only a formatted string; this gives the parts without parsing it."""
     from jax._src import source_info_util
 
     return source_info_util.user_frame(source_info.traceback)
@@ -337,9 +316,7 @@ def user_frame(source_info):
 def user_frames(source_info) -> list:
     """The user frames of an equation's traceback, innermost first (JAX's own filtered out):
     each with ``file_name``, ``start_line``, ``function_name``.
-
-    Private: ``jax._src.source_info_util.user_frames`` (same in 0.10 and 0.12).
-    """
+    Private: ``jax._src.source_info_util.user_frames`` (same in 0.10 and 0.12)."""
     from jax._src import source_info_util
 
     return list(source_info_util.user_frames(source_info.traceback))
@@ -348,12 +325,10 @@ def user_frames(source_info) -> list:
 def reverse_mode_trace() -> bool:
     """Whether what is bound now is being differentiated in reverse mode (``jax.grad``,
     ``value_and_grad``, ``vjp``, ``linearize``), not under forward mode.
-
     Private: ``jax._src.core.trace_ctx.trace`` (the current trace), each trace's
     ``parent_trace``, ``jax._src.interpreters.ad.LinearizeTrace`` (what ``jax.vjp`` traces with,
     ``jax_use_direct_linearize`` on by default) and ``JVPTrace`` (``jax.jvp``, ``jacfwd``): the
-    same on 0.10.2 and 0.12. A ``LinearizeTrace`` on the chain and no ``JVPTrace``.
-    """
+    same on 0.10.2 and 0.12. A ``LinearizeTrace`` on the chain and no ``JVPTrace``."""
     from jax._src import core
     from jax._src.interpreters import ad
 
@@ -368,10 +343,8 @@ def reverse_mode_trace() -> bool:
 
 def trace_state_clean() -> bool:
     """Whether no transformation is being traced (eager, outside jit/grad/vmap).
-
     Private: ``jax._src.core.trace_state_clean`` (same in 0.10 and 0.12); JAX has no public way to
-    ask whether a call happens inside a trace.
-    """
+    ask whether a call happens inside a trace."""
     from jax._src import core
 
     return core.trace_state_clean()
@@ -431,13 +404,11 @@ def scan_counts_of(params: dict) -> tuple[int, int]:
 def zero_cotangent(aval):
     """A symbolic zero cotangent for an output of type ``aval``, for the function ``jax.vjp``
     returns.
-
     Private: ``jax.interpreters.ad.Zero`` (0.10 and 0.12). ``jax.vjp``'s function accepts it in
     place of an array (``is_leaf=isinstance(x, ad.Zero)`` in its cotangent flattening) and its
     transpose then skips every equation whose output cotangents are all zero, so residuals only
     those equations read are not read. The public ``jax.custom_derivatives.SymbolicZero`` (what
-    a ``symbolic_zeros=True`` custom VJP receives) is a different class and is rejected there.
-    """
+    a ``symbolic_zeros=True`` custom VJP receives) is a different class and is rejected there."""
     from jax.interpreters import ad
 
     return ad.Zero(aval.to_ct_aval())
@@ -581,9 +552,7 @@ def is_unknown_partial(x) -> bool:
     """Whether ``x`` is an unknown value of JAX's partial evaluation (the tangents a JVP rule gets
     when JAX linearizes by JVP and partial evaluation, as inside ``jax.checkpoint``: the primal
     outputs must then be computable without them).
-
-    Private: ``jax._src.interpreters.partial_eval.JaxprTracer`` (0.10.2 and 0.12).
-    """
+    Private: ``jax._src.interpreters.partial_eval.JaxprTracer`` (0.10.2 and 0.12)."""
     from jax._src.interpreters import partial_eval as pe
 
     return isinstance(x, pe.JaxprTracer) and not x.is_known()
@@ -661,6 +630,38 @@ def bind_eqn(eqn, invals: Sequence, params: dict | None = None) -> list:
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
+def custom_jvp_rule(eqn) -> tuple[Any, list, list]:
+    """``(open jaxpr, consts, out_zeros)`` of a custom_jvp function's rule, no tangent zero: the
+    primals (less the ``num_consts`` constants) then their tangents in, the primal outputs then
+    the tangents not in ``out_zeros`` out. Private: ``jvp_jaxpr_fun``, a memoized
+    ``WrappedFun`` of which tangents are zero (0.10.2 and 0.12)."""
+    n = len(eqn.invars) - eqn.params["num_consts"]
+    jaxpr, consts, out_zeros = eqn.params["jvp_jaxpr_fun"].call_wrapped(*[False] * n)
+    return jaxpr, list(consts), list(out_zeros)
+
+
+def rule_is_body_derivative(eqn) -> bool:
+    """Whether ``eqn`` is a custom_jvp function of JAX's whose rule is its body's derivative as
+    written wherever its value is finite: 0.12's ``logsumexp`` (``_logsumexp_impl``, whose body
+    stops the gradient of its maximum) and ``softmax`` (``_softmax``, invariant to the maximum it
+    subtracts), this one only without ``where`` (unchecked). Known by the source JAX records for
+    the body, as private ``api_util.fun_sourceinfo`` writes it (``jax._src.ops.special``)."""
+    if eqn.primitive.name not in CUSTOM_JVP_PRIMITIVES:
+        return False
+    info = getattr(open_jaxpr(eqn.params["call_jaxpr"]).debug_info, "func_src_info", None)
+    most = _body_derivative_rules().get(info)  # the most inputs for which it holds
+    return most is not None and len(eqn.invars) - eqn.params["num_consts"] <= most
+
+
+@functools.cache
+def _body_derivative_rules() -> dict[str, int]:
+    from jax._src import api_util
+    from jax._src.ops import special
+
+    found = [(getattr(special, n, None), k) for n, k in (("_logsumexp_impl", 3), ("_softmax", 1))]
+    return {api_util.fun_sourceinfo(f.fun): k for f, k in found if hasattr(f, "fun")}
+
+
 def call_body(eqn) -> tuple[Any, list]:
     """The open jaxpr and the constants of a call's (``jit``'s) one body."""
     (body,) = [p for p in eqn.params.values() if is_jaxpr(p)]
@@ -675,8 +676,6 @@ def call_body(eqn) -> tuple[Any, list]:
 def eqn_context(eqn):
     """The context JAX evaluates ``eqn`` in (its source line and name stack, its own context
     manager), as ``jax.core.eval_jaxpr`` does (0.10.2 and 0.12)."""
-    import contextlib
-
     stack = contextlib.ExitStack()
     name_stack = _siu.current_name_stack() + eqn.source_info.name_stack
     stack.enter_context(_siu.user_context(eqn.source_info.traceback, name_stack=name_stack))

@@ -193,7 +193,7 @@ class _Analysis:
             for p, _ in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]
         ]
         self.names = dict(zip(self.jaxpr.invars, paths, strict=True))
-        self.producer = {v: e for e in self.jaxpr.eqns for v in e.outvars}
+        self.origins = _rw.origins(self.jaxpr)
         self._choose()
 
     def _choose(self):
@@ -331,8 +331,7 @@ class _Analysis:
     def _origin(self, v) -> str:
         if v in self.names:
             return self.names[v]
-        eqn = self.producer.get(v)
-        return "a constant" if eqn is None else f"{eqn.primitive.name} at {_where(eqn)}"
+        return self.origins.get(v, "a constant")
 
     def report(self) -> ChunkReport:
         tails = []

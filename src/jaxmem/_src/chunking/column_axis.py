@@ -41,7 +41,8 @@ def _type(v) -> str:
 def _inline(jaxpr, consts: Sequence, args: Sequence, outer=None) -> list:
     def apply(eqn, invals):
         info = _rw.source_of(eqn, outer)
-        if eqn.primitive.name in _jc.CALL_PRIMITIVES and len(_jc.subjaxprs(eqn)) == 1:
+        inlined = eqn.primitive.name in _jc.CALL_PRIMITIVES or _jc.rule_is_body_derivative(eqn)
+        if inlined and len(_jc.subjaxprs(eqn)) == 1:
             return _inline(*_jc.call_body(eqn), invals, info)
         return _rw.bind_at(eqn, invals, eqn.primitive.get_bind_params(eqn.params), info)
 
@@ -51,7 +52,11 @@ def _inline(jaxpr, consts: Sequence, args: Sequence, outer=None) -> list:
 def trace_tail(jaxpr, tail: _rw.Tail, rows: int):
     """The closed, flat jaxpr of ``tail`` on ``rows`` rows: inputs ``tail.split`` (``rows``
     rows along their axes) then ``tail.params``; output the tail's scalar. Calls (``jit``)
-    are inlined, source locations kept."""
+    are inlined, source locations kept; so are the custom_jvp functions whose rule is the
+    derivative of their body (:func:`jax_compat.rule_is_body_derivative`: on jax 0.12, the
+    log-sum-exp of a cross-entropy), whose body the column plan then differentiates by its own
+    rules; any other custom_jvp function stays one equation, which no column runs through
+    (:func:`_column_in_axes`)."""
     split = [jax.ShapeDtypeStruct(_resize(_shape(v), k, rows), v.aval.dtype) for v, k in tail.split]
     params = [jax.ShapeDtypeStruct(_shape(v), v.aval.dtype) for v in tail.params]
     n = len(split)
@@ -63,6 +68,15 @@ def trace_tail(jaxpr, tail: _rw.Tail, rows: int):
     structs = [jax.ShapeDtypeStruct(_shape(v), v.aval.dtype) for v in closed.jaxpr.invars]
     consts = _jc.jaxpr_consts(closed)
     return jax.make_jaxpr(lambda *a: _inline(_jc.open_jaxpr(closed), consts, a))(*structs)
+
+
+def _column_in_axes(eqn, out_axes: list) -> list | None:
+    """:func:`rows.in_axes` along the columns. An equation that runs a sub-jaxpr (a custom_jvp
+    function left whole) is not column-wise: a tile rebinds each equation at its width, which
+    the rule's fixed shapes could not follow."""
+    if _jc.subjaxprs(eqn):
+        return None
+    return _rw.in_axes(eqn, out_axes)
 
 
 def _resize(shape: Sequence[int], axis: int, size: int) -> tuple:
@@ -96,7 +110,7 @@ def _forward_axis(eqn, var, a):
         return None
     found = []
     for b in range(len(_shape(eqn.outvars[0]))):
-        in_axes = _rw.in_axes(eqn, [b])
+        in_axes = _column_in_axes(eqn, [b])
         if in_axes is None:
             continue
         if all(k == a for u, k in zip(eqn.invars, in_axes, strict=True) if u is var):
@@ -159,7 +173,7 @@ def _producer_axes(eqn, v, k: int) -> list:
     name = eqn.primitive.name
     if name == "iota" and eqn.params["dimension"] == k:
         return []  # column numbers: offset in each tile
-    in_axes = _rw.in_axes(eqn, [k]) if len(eqn.outvars) == 1 else None
+    in_axes = _column_in_axes(eqn, [k]) if len(eqn.outvars) == 1 else None
     if in_axes is None:
         raise Refused(f"{name} at {_where(eqn)} is not column-wise ({_type(v)})")
     return [(u, j) for u, j in zip(eqn.invars, in_axes, strict=True) if j is not None]
@@ -222,7 +236,7 @@ def _column_sources(j, live: list, rowdep: set):
             continue
         (out,) = e.outvars
         for b in range(len(_shape(out))):
-            in_axes = _rw.in_axes(e, [b])
+            in_axes = _column_in_axes(e, [b])
             carriers = [
                 (u, k) for u, k in zip(e.invars, in_axes or [], strict=True) if k is not None
             ]

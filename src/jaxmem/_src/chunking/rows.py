@@ -7,233 +7,130 @@ that do not vary with the rows (the *parameters*). The tail of a loss that ends 
 (:mod:`jaxmem._src.chunking.chunked`). This module answers the two questions that needs:
 
 1. :func:`find_tail`: walking back from a scalar ``reduce_sum``, the largest set of equations
-   whose outputs are row-wise, given per-primitive rules (``_RULES``: from the row axis of an
-   equation's output, the row axis of each input, or None for an input shared by every row; an
-   equation without a rule, or whose rule does not apply, ends the tail there). The set is
-   closed: none of its intermediates is used outside it, so none has to exist in full.
+   whose outputs are row-wise, given per-primitive rules (:mod:`.row_rules`: from the row axis
+   of an equation's output, the row axis of each input, or None for an input shared by every
+   row; an equation without a rule, or whose rule does not apply, ends the tail there). The set
+   is closed: none of its intermediates is used outside it, so none has to exist in full.
 2. :func:`run_tail`: evaluates those equations on ``rows`` rows instead of the traced count,
    rewriting the few parameters that spell a shape (``broadcast_in_dim``'s ``shape``,
    ``reshape``'s ``new_sizes``, ``iota``'s ``shape``, ``slice``'s limits, ``gather``'s
    ``slice_sizes``); ``jit`` calls inside the tail are entered and rewritten the same way.
 
+A ``jax.custom_jvp`` function (``relu``; on jax 0.12 also ``logsumexp`` and ``softmax``) is
+row-wise when its body is and, unless its rule is the derivative of its body (then its body
+runs in its place, as a call's), when its rule is too: a chunk runs it as a ``jax.custom_jvp``
+of its body on the chunk's rows whose rule is its rule on those rows, so that the chunk is
+differentiated by the function's own rule.
+
 Conservative by construction: an equation is row-wise only when its rule proves it from the
-shapes and parameters, so an unknown primitive (random bits, collectives, custom derivative
-rules, effects) keeps the tail from passing through it, never the other way round.
+shapes and parameters, so an unknown primitive (random bits, collectives, custom VJP rules,
+effects) keeps the tail from passing through it, never the other way round.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 from jax.extend import source_info_util as _siu
 
 from jaxmem._src import jax_compat as _jc
-
-# Each rule: (eqn, out_axes) -> in_axes (an int per input carrying the rows, None for an input
-# shared by every row) or None when the equation is not row-wise for these output axes.
-Rule = Callable[[Any, list], "list | None"]
-
-_UNARY = """neg sign floor ceil round is_finite exp exp2 log log1p expm1 tanh logistic sin cos tan
-asin acos atan sinh cosh asinh acosh atanh abs sqrt rsqrt cbrt erf erfc erf_inv lgamma digamma
-not imag real conj integer_pow convert_element_type reduce_precision stop_gradient copy copy_p
-square population_count clz name""".split()
-_BINARY = """add sub mul div rem pow max min atan2 nextafter and or xor eq ne lt le gt ge
-shift_left shift_right_logical shift_right_arithmetic add_any complex select_n clamp""".split()
-_REDUCTIONS = """reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor
-argmax argmin""".split()
-_CUMULATIVE = "cumsum cumprod cummax cummin cumlogsumexp".split()
-
-
-def _shape(v) -> tuple:
-    return tuple(v.aval.shape)
-
-
-def _elementwise(eqn, out_axes):
-    (a,) = out_axes
-    out = _shape(eqn.outvars[0])
-    in_axes = []
-    for v in eqn.invars:
-        s = _shape(v)
-        if not s:
-            in_axes.append(None)  # a scalar, shared by every row
-        elif len(s) != len(out):
-            return None
-        elif s[a] == out[a]:
-            in_axes.append(a)
-        elif s[a] == 1:
-            in_axes.append(None)  # broadcast along the rows
-        else:
-            return None
-    return in_axes
-
-
-def _broadcast_in_dim(eqn, out_axes):
-    (a,) = out_axes
-    operand = eqn.invars[0]
-    dims = tuple(eqn.params["broadcast_dimensions"])
-    if len(eqn.invars) != 1:
-        return None  # dynamic shapes
-    if a not in dims:
-        return [None]
-    k = dims.index(a)
-    if _shape(operand)[k] == _shape(eqn.outvars[0])[a]:
-        return [k]
-    return [None]  # a size-1 dimension broadcast along the rows
-
-
-def _reshape(eqn, out_axes):
-    (a,) = out_axes
-    if eqn.params.get("dimensions") is not None or len(eqn.invars) != 1:
-        return None
-    src, out = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
-    before = math.prod(out[:a])
-    for k in range(len(src)):
-        if math.prod(src[:k]) == before and src[k] == out[a]:
-            return [k]  # same leading product and size: row i maps to row i
-    return None
-
-
-def _squeeze(eqn, out_axes):
-    (a,) = out_axes
-    dims = set(eqn.params["dimensions"])
-    kept = [k for k in range(len(_shape(eqn.invars[0]))) if k not in dims]
-    return [kept[a]]
-
-
-def _transpose(eqn, out_axes):
-    (a,) = out_axes
-    return [eqn.params["permutation"][a]]
-
-
-def _reduction(eqn, out_axes):
-    (a,) = out_axes[:1]
-    axes = set(eqn.params["axes"])
-    kept = [k for k in range(len(_shape(eqn.invars[0]))) if k not in axes]
-    return [kept[a]]
-
-
-def _cumulative(eqn, out_axes):
-    (a,) = out_axes
-    return None if eqn.params["axis"] == a else [a]
-
-
-def _dot_general(eqn, out_axes):
-    (a,) = out_axes
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    lhs_free = [k for k in range(len(_shape(eqn.invars[0]))) if k not in lc and k not in lb]
-    rhs_free = [k for k in range(len(_shape(eqn.invars[1]))) if k not in rc and k not in rb]
-    if a < len(lb):
-        return [lb[a], rb[a]]
-    if a < len(lb) + len(lhs_free):
-        return [lhs_free[a - len(lb)], None]
-    return [None, rhs_free[a - len(lb) - len(lhs_free)]]
-
-
-def _iota(eqn, out_axes):
-    (a,) = out_axes
-    # Along the rows its values are the row numbers: different in every chunk.
-    return None if eqn.params["dimension"] == a or eqn.invars else []
-
-
-def _concatenate(eqn, out_axes):
-    (a,) = out_axes
-    return None if eqn.params["dimension"] == a else [a] * len(eqn.invars)
-
-
-def _pad(eqn, out_axes):
-    (a,) = out_axes
-    lo, hi, interior = eqn.params["padding_config"][a]
-    return [a, None] if (lo, hi, interior) == (0, 0, 0) else None
-
-
-def _slice(eqn, out_axes):
-    # The first rows (``logits[:, :-1]``): row i is row i of the operand, whose later rows the
-    # tail does not read (the chunks cover the output's rows).
-    (a,) = out_axes
-    p = eqn.params
-    stride = 1 if p["strides"] is None else p["strides"][a]
-    return [a] if p["start_indices"][a] == 0 and stride == 1 else None
-
-
-def _split(eqn, out_axes):
-    axes = {x for x in out_axes if x is not None}
-    if len(axes) != 1:
-        return None
-    (a,) = axes
-    return None if eqn.params["axis"] == a else [a]
-
-
-def _gather(eqn, out_axes):
-    (a,) = out_axes
-    dn = eqn.params["dimension_numbers"]
-    operand, indices = eqn.invars
-    op_rank = len(_shape(operand))
-    offset_dims = tuple(dn.offset_dims)
-    op_batch = tuple(getattr(dn, "operand_batching_dims", ()))
-    idx_batch = tuple(getattr(dn, "start_indices_batching_dims", ()))
-    if a in offset_dims:
-        # A dimension of the operand taken whole: the row axis of the operand, unindexed.
-        slice_dims = [
-            k for k in range(op_rank) if k not in dn.collapsed_slice_dims and k not in op_batch
-        ]
-        k = slice_dims[offset_dims.index(a)]
-        whole = eqn.params["slice_sizes"][k] == _shape(operand)[k]
-        return [k, None] if whole and k not in dn.start_index_map else None
-    # A batch dimension of the indices (the last dimension of indices is the index vector).
-    j = [d for d in range(len(_shape(eqn.outvars[0]))) if d not in offset_dims].index(a)
-    if j in idx_batch:
-        return [op_batch[idx_batch.index(j)], j]  # row i of the operand, by row i's index
-    return [None, j]  # a lookup into a shared table (an embedding)
-
+from jaxmem._src.chunking.row_rules import _RULES, _gather, _shape
 
 _CALLS = ("jit", "pjit", "closed_call", "core_call")
+# Equations that run a sub-jaxpr (entered by the walk): calls, and functions with a custom JVP rule
+# (``jax.custom_jvp``; on jax 0.12 ``jax.nn.logsumexp`` and ``jax.nn.softmax`` among them).
+_NESTED = (*_CALLS, *_jc.CUSTOM_JVP_PRIMITIVES)
 _LAYOUT = ("transpose", "reshape", "squeeze", "broadcast_in_dim", "expand_dims")
 
 
-def _call_axes(eqn, out_axes) -> dict:
-    """The axes of the equations inside a row-wise call (nested calls included)."""
-    (sub,) = _jc.subjaxprs(eqn)
-    return _inner_axes(sub, out_axes)[1]
+def _inlined(eqn) -> bool:
+    """Whether a tail runs ``eqn``'s body in its place: a call, or a custom_jvp function whose
+    rule is the derivative of its body (:func:`jax_compat.rule_is_body_derivative`: on jax 0.12
+    the log-sum-exp of a cross-entropy, which then runs as it is written out on 0.10.2). Any
+    other custom_jvp function runs with its own rule (:func:`_custom_jvp_at`)."""
+    return eqn.primitive.name in _CALLS or _jc.rule_is_body_derivative(eqn)
 
 
-def _call(eqn, out_axes):
+def _call_axes(eqn, out_axes, rules: bool = True) -> dict:
+    """The axes of the equations inside a row-wise call or custom_jvp function (nested calls
+    included)."""
     (sub,) = _jc.subjaxprs(eqn)
-    found = _inner_axes(sub, out_axes)
+    return _inner_axes(sub, out_axes, rules and _inlined(eqn))[1]
+
+
+def _call(eqn, out_axes, rules: bool = True):
+    """The input axes of a call or custom_jvp function whose body is row-wise. The rules of the
+    custom_jvp functions inside a body that is differentiated (a call's) are checked with it
+    (``rules``), those inside a custom_jvp function's body are not: its own rule stands for
+    the body (:func:`_nested`)."""
+    (sub,) = _jc.subjaxprs(eqn)
+    found = _inner_axes(sub, out_axes, rules and _inlined(eqn))
     return None if found is None else found[0]
 
 
-_RULES: dict[str, Rule] = {
-    **{name: _elementwise for name in _UNARY + _BINARY},
-    **{name: _reduction for name in _REDUCTIONS},
-    **{name: _cumulative for name in _CUMULATIVE},
-    "broadcast_in_dim": _broadcast_in_dim,
-    "reshape": _reshape,
-    "squeeze": _squeeze,
-    "transpose": _transpose,
-    "dot_general": _dot_general,
-    "iota": _iota,
-    "concatenate": _concatenate,
-    "pad": _pad,
-    "slice": _slice,
-    "split": _split,
-    "gather": _gather,
-    **{name: _call for name in _CALLS},
-}
+class _Rule(NamedTuple):
+    """The JVP rule of a custom_jvp function (:func:`jax_compat.custom_jvp_rule`: the primals
+    then their tangents in, the primal outputs then the tangents not in ``out_zeros`` out), its
+    constants, and the axes of its equations."""
+
+    jaxpr: Any
+    consts: list
+    out_zeros: list
+    axes: Axes
 
 
-def in_axes(eqn, out_axes: list) -> list | None:
-    """The rows' axis of each input of ``eqn``, or None when it is not row-wise."""
-    rule = _RULES.get(eqn.primitive.name)
-    if rule is None or eqn.effects or any(a is None for a in out_axes):
+def _rule(eqn, ins: list, outs: list) -> _Rule | None:
+    """The JVP rule of a row-wise custom_jvp function ``eqn`` (input axes ``ins``, output axes
+    ``outs``), when it is row-wise too: each primal on its axis, its tangent on the same, its
+    constants shared. The rules of the custom_jvp functions it calls are checked when they run
+    (the rule of a softmax calls the softmax: checked ahead, they would never end)."""
+    jaxpr, consts, out_zeros = _jc.custom_jvp_rule(eqn)
+    primals = ins[eqn.params["num_consts"] :]
+    tangent_outs = [a for a, zero in zip(outs, out_zeros, strict=True) if not zero]
+    found = _inner_required(jaxpr, [*outs, *tangent_outs], rules=False)
+    if found is None:
         return None
-    if len(out_axes) != 1 and eqn.primitive.name != "split":
+    required, axes = found
+    want = zip(jaxpr.invars, [*primals, *primals], strict=True)
+    if any(required.get(v, k) != k for v, k in want):
+        return None
+    if any(required.get(v) is not None for v in jaxpr.constvars):
+        return None
+    return _Rule(jaxpr, consts, out_zeros, axes)
+
+
+def _nested(eqn, ins: list, outs: list, rules: bool = True) -> Axes | None:
+    """The axes of the equations inside a row-wise call or custom_jvp function (``{}`` for
+    another primitive); for a custom_jvp function, with ``rules``, also its JVP rule (under
+    ``("rule", id(eqn))``), or None when that rule is not row-wise."""
+    if eqn.primitive.name not in _NESTED:
+        return {}
+    axes = _call_axes(eqn, outs, rules)
+    if rules and not _inlined(eqn):
+        rule = _rule(eqn, ins, outs)
+        if rule is None:
+            return None
+        axes[("rule", id(eqn))] = rule
+    return axes
+
+
+def in_axes(eqn, out_axes: list, rules: bool = True) -> list | None:
+    """The rows' axis of each input of ``eqn``, or None when it is not row-wise. A custom_jvp
+    function is judged by its body here, its rule by :func:`_nested`; ``rules``: whether the
+    rules of those inside a call are checked (:func:`_call`)."""
+    name = eqn.primitive.name
+    rule = _RULES.get(name)
+    if (rule is None and name not in _NESTED) or eqn.effects or None in out_axes:
+        return None
+    if len(out_axes) != 1 and name != "split":
         return None
     try:
-        axes = rule(eqn, out_axes)
+        axes = _call(eqn, out_axes, rules) if name in _NESTED else rule(eqn, out_axes)
     except (KeyError, IndexError, ValueError, TypeError, AttributeError):
         return None  # parameters this rule does not know (another JAX version): not row-wise
     if axes is None or len(axes) != len(eqn.invars):
@@ -244,12 +141,23 @@ def in_axes(eqn, out_axes: list) -> list | None:
     return axes
 
 
-# Per equation (by id) of a tail: (input axes, output axes), for run_tail.
+# Per equation (by id) of a tail: (input axes, output axes), for run_tail; per custom_jvp
+# function, under ("rule", id), its JVP rule (:class:`_Rule`, or None where it is not row-wise).
 Axes = dict
 
 
-def _inner_axes(jaxpr, out_axes: list) -> tuple[list, Axes] | None:
+def _inner_axes(jaxpr, out_axes: list, rules: bool = True) -> tuple[list, Axes] | None:
     """Input axes of a called jaxpr whose every equation must be row-wise, or None."""
+    found = _inner_required(jaxpr, out_axes, rules)
+    if found is None:
+        return None
+    required, axes = found
+    return [required.get(v) for v in jaxpr.invars], axes
+
+
+def _inner_required(jaxpr, out_axes: list, rules: bool) -> tuple[dict, Axes] | None:
+    """The axis needed of each value a jaxpr reads (those it does not read absent) and the axes
+    of its equations, when every equation needed is row-wise; else None."""
     required = _output_axes(jaxpr.outvars, out_axes)
     if required is None:
         return None
@@ -258,14 +166,14 @@ def _inner_axes(jaxpr, out_axes: list) -> tuple[list, Axes] | None:
         outs = [required.get(v, "unused") for v in eqn.outvars if not _jc.is_drop_var(v)]
         if all(o == "unused" for o in outs):
             continue  # not needed: run_tail skips it
-        ins = _needed_in_axes(eqn, outs, axes)
+        ins = _needed_in_axes(eqn, outs, axes, rules)
         if ins is None:
             return None
         for v, k in zip(eqn.invars, ins, strict=True):
             if _jc.is_var(v) and required.setdefault(v, k) != k:
                 return None
         axes[id(eqn)] = (ins, outs)
-    return [required.get(v) for v in jaxpr.invars], axes
+    return required, axes
 
 
 def _output_axes(outvars, out_axes: list) -> dict[Any, int | None] | None:
@@ -282,7 +190,7 @@ def _output_axes(outvars, out_axes: list) -> dict[Any, int | None] | None:
     return required
 
 
-def _needed_in_axes(eqn, outs: list, axes: Axes) -> list | None:
+def _needed_in_axes(eqn, outs: list, axes: Axes, rules: bool) -> list | None:
     """The input axes of an equation of a called jaxpr whose outputs are needed with axes
     ``outs``, or None when it is not row-wise; a call's inner axes join ``axes``."""
     if any(o == "unused" for o in outs):
@@ -290,9 +198,11 @@ def _needed_in_axes(eqn, outs: list, axes: Axes) -> list | None:
     if all(o is None for o in outs):
         # Shared by every row: runs unchanged.
         return None if eqn.effects else [None] * len(eqn.invars)
-    ins = in_axes(eqn, outs)
-    if ins is not None and eqn.primitive.name in _CALLS:
-        axes.update(_call_axes(eqn, outs))
+    ins = in_axes(eqn, outs, rules)
+    nested = None if ins is None else _nested(eqn, ins, outs, rules)
+    if nested is None:
+        return None
+    axes.update(nested)
     return ins
 
 
@@ -368,13 +278,19 @@ def find_tail(jaxpr, reduction: int, axis: int) -> Tail:
         walk.visit(i, eqns[i])
     _close(jaxpr, reduction, walk)
     split, params, produced = _inputs(eqns, walk.members, reduction, axis)
-    sizes = [
-        (v, _jc.nbytes(v.aval))
+    values = [
+        (v, walk.required[v])
         for v in produced
         if not _jc.is_drop_var(v) and walk.required.get(v) is not None
     ]
-    largest = max(sizes, key=lambda p: p[1], default=(t, _jc.nbytes(t.aval)))
-    rows_of_largest = _shape(largest[0])[walk.required.get(largest[0], axis)]
+    for i in sorted(walk.members):
+        values += _body_values(eqns[i], walk.axes)
+    sizes = [(v, _jc.nbytes(v.aval), k) for v, k in values]
+    largest_var, largest_bytes, largest_axis = max(
+        sizes, key=lambda p: p[1], default=(t, _jc.nbytes(t.aval), axis)
+    )
+    largest = (largest_var, largest_bytes)
+    rows_of_largest = _shape(largest_var)[largest_axis]
     stopped = tuple((walk.stops[v], v) for v in split if v in walk.stops)
     assert not set(split) & set(params), "a tail input both split and shared"
     return Tail(
@@ -387,8 +303,44 @@ def find_tail(jaxpr, reduction: int, axis: int) -> Tail:
         largest,
         math.ceil(largest[1] / max(1, rows_of_largest)),
         stopped,
-        sum(b for _, b in sizes),
+        sum(b for _, b, _ in sizes),
     )
+
+
+def _body_values(eqn, axes: Axes) -> list[tuple[Any, int]]:
+    """``(value, row axis)`` of the row-wise values a custom_jvp function of a tail creates in
+    its body (those of custom_jvp functions inside included): they count among the tail's, as
+    they would written out (on jax 0.10.2, the log-sum-exp of a cross-entropy is)."""
+    if eqn.primitive.name not in _jc.CUSTOM_JVP_PRIMITIVES:
+        return []
+    (sub,) = _jc.subjaxprs(eqn)
+    results = set(sub.outvars)  # the function's outputs: counted as the tail's own
+    out = []
+    for e in sub.eqns:
+        if id(e) not in axes:
+            continue
+        defined = [v for v in e.outvars if not _jc.is_drop_var(v)]
+        out += [
+            (v, k)
+            for v, k in zip(defined, axes[id(e)][1], strict=True)
+            if k is not None and v not in results
+        ]
+        out += _body_values(e, axes)
+    return out
+
+
+def origins(jaxpr, outer=None) -> dict[Any, str]:
+    """Where each value of ``jaxpr`` is created (``"exp at file:line (fn)"``), those in the
+    bodies of its custom_jvp functions included (a tail's largest value can be there:
+    :func:`_body_values`), at the function's call where JAX's body has no user frame."""
+    out = {}
+    for eqn in jaxpr.eqns:
+        info = source_of(eqn, outer)
+        where = f"{eqn.primitive.name} at {_jc.summarize_source(info)}"
+        out.update((v, where) for v in eqn.outvars)
+        if eqn.primitive.name in _jc.CUSTOM_JVP_PRIMITIVES:
+            out.update(origins(_jc.subjaxprs(eqn)[0], info))
+    return out
 
 
 @dataclasses.dataclass
@@ -417,11 +369,13 @@ class _Walk:
             return  # used as a parameter: computed before the tail
         else:
             ins = None if "unused" in outs else in_axes(eqn, outs)
-        if ins is None or self._conflicts(eqn, ins):
+        ok = ins is not None and not self._conflicts(eqn, ins)
+        nested = _nested(eqn, ins, outs) if ok else None
+        if nested is None:
             for v in eqn.outvars:
                 self.stops.setdefault(v, eqn.primitive.name)
             return
-        self._join(i, eqn, ins, outs)
+        self._join(i, eqn, ins, outs, nested)
 
     def _conflicts(self, eqn, ins: list) -> bool:
         """Whether an input of ``eqn`` would need another row axis than the tail needs."""
@@ -430,14 +384,14 @@ class _Walk:
             for v, k in zip(eqn.invars, ins, strict=True)
         )
 
-    def _join(self, i: int, eqn, ins: list, outs: list) -> None:
-        """Adds equation ``i`` to the tail, its inputs needed with axes ``ins``."""
+    def _join(self, i: int, eqn, ins: list, outs: list, nested: Axes) -> None:
+        """Adds equation ``i`` to the tail, its inputs needed with axes ``ins`` (``nested``:
+        the axes inside it, :func:`_nested`)."""
         for v, k in zip(eqn.invars, ins, strict=True):
             if _jc.is_var(v):
                 self.required[v] = k
         self.members[i] = (ins, outs)
-        if eqn.primitive.name in _CALLS:
-            self.axes.update(_call_axes(eqn, outs))
+        self.axes.update(nested)
         self.axes[id(eqn)] = (ins, outs)
 
 
@@ -530,7 +484,7 @@ def source_of(eqn, outer):
     return outer
 
 
-def bind_at(eqn, invals: Sequence, params: dict, info) -> list:
+def bind_at(eqn, invals: Sequence, params: dict | None, info) -> list:
     """``eqn``'s primitive bound to ``invals`` with ``params``, traced at source ``info``; its
     outputs as a list."""
     with _siu.user_context(info.traceback, name_stack=info.name_stack):
@@ -543,14 +497,59 @@ def _eval(jaxpr, consts: Sequence, args: Sequence, axes: Axes, rows: int, outer=
             return None  # not needed by the tail
         _, out_axes = axes[id(eqn)]
         info = source_of(eqn, outer)
-        if eqn.primitive.name in _CALLS:
+        if _inlined(eqn):
             body, consts_b = _jc.call_body(eqn)
             if all(a is None for a in out_axes):  # shared by every row: runs as written
                 return _jc.jaxpr_as_fun(_jc.closed_jaxpr(body, consts_b))(*invals)
             return _eval(body, consts_b, invals, axes, rows, info)
+        if eqn.primitive.name in _jc.CUSTOM_JVP_PRIMITIVES:
+            return _custom_jvp_at(eqn, invals, axes, rows, info)
         return bind_at(eqn, invals, rewrite(eqn, out_axes, rows), info)
 
     return _jc.eval_eqns(jaxpr, consts, args, apply)
+
+
+def _custom_jvp_at(eqn, invals: Sequence, axes: Axes, rows: int, info) -> list:
+    """A custom_jvp function's equation on ``rows`` rows: a ``jax.custom_jvp`` of its body on
+    the rows whose rule is its own rule on the rows, so that a chunk is differentiated as the
+    function is (the rows' shapes in both rewritten by :func:`_eval`)."""
+    _, out_axes = axes[id(eqn)]
+    if all(a is None for a in out_axes):  # shared by every row: runs as written
+        return bind_at(eqn, invals, None, info)
+    body, consts_b = _jc.call_body(eqn)
+    n = eqn.params["num_consts"]
+
+    def jvp(primals, tangents):
+        rule = _rule_at(eqn, axes)
+        ins = [*primals[n:], *tangents[n:]]  # the rule sees no constants (as JAX's)
+        out = _eval(rule.jaxpr, rule.consts, ins, rule.axes, rows, info)
+        outs, nonzero = out[: len(rule.out_zeros)], iter(out[len(rule.out_zeros) :])
+        tangents_out = [
+            _jc.zero_tangent_value(jax.typeof(x)) if zero else next(nonzero)
+            for x, zero in zip(outs, rule.out_zeros, strict=True)
+        ]
+        return outs, tangents_out
+
+    f = jax.custom_jvp(lambda *xs: _eval(body, consts_b, xs, axes, rows, info))
+    f.defjvp(jvp)
+    with _siu.user_context(info.traceback, name_stack=info.name_stack):
+        return list(f(*invals))
+
+
+def _rule_at(eqn, axes: Axes) -> _Rule:
+    """The row-wise rule of a custom_jvp function of a tail, read from ``axes`` or, for one
+    inside another's rule (differentiated twice), found now and kept there."""
+    key = ("rule", id(eqn))
+    if key not in axes:
+        axes[key] = _rule(eqn, *axes[id(eqn)])
+    if axes[key] is None:
+        raise NotImplementedError(
+            "jaxmem.autochunk: the custom_jvp function at "
+            f"{_jc.summarize_source(eqn.source_info)}, inside another's derivative rule, has a "
+            "rule that does not run row by row: this higher derivative of the loss cannot be "
+            "taken chunk by chunk (call the loss without autochunk for it)"
+        )
+    return axes[key]
 
 
 def run_tail(jaxpr, tail: Tail, rows: int, split_vals: Sequence, param_vals: Sequence):
