@@ -295,6 +295,25 @@ def test_plan_on_unmodified_code_names_values_by_op_kind():
         jaxmem.optimize(loss, plan="dots")
 
 
+def test_op_kind_names_reach_inside_softmax():
+    """The values of ``jax.nn.softmax`` (a custom_jvp call from jax 0.12.1, written out before)
+    are named by op kind on every version, and the named loss keeps the loss's gradient."""
+    from jaxmem._src.optimize.api import by_op_kind
+    from jaxmem._src.remat.flops import discover
+
+    def loss(w, xs):
+        def step(h, x):
+            return jnp.tanh(jax.nn.softmax(h @ w + x, axis=-1)), None
+
+        return jnp.sum(jax.lax.scan(step, jnp.zeros((2, 8)), xs)[0] ** 2)
+
+    w, xs = jnp.eye(8) * 0.5, jnp.linspace(-1, 1, 4 * 2 * 8).reshape(4, 2, 8)
+    names = {n.name for n in discover(by_op_kind(loss), (w, xs))}
+    assert {"matmul_0", "exponential_0", "activation_0"} <= names, names
+    with jaxmem.use_plan(jaxmem.RematPlan(no_remat=True)):
+        close(jax.grad(by_op_kind(loss))(w, xs), jax.grad(loss)(w, xs))
+
+
 def test_equinox_train_step_fits_a_budget_at_fewer_flops():
     """An Equinox stack as its users write it (``eqx.filter_vmap`` init, ``lax.scan`` over
     ``eqx.filter_checkpoint``, ``eqx.filter_value_and_grad`` and an update): under a budget

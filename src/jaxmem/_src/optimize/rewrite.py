@@ -98,6 +98,10 @@ class Rewriter:
         if name in _jc.CALL_PRIMITIVES:
             body = next(p for p in params.values() if _jc.is_jaxpr(p))
             return self._sub(body)(*invals)
+        if self.op_names and self._depth > 0 and _jc.rule_is_body_derivative(eqn):
+            # jax 0.12's logsumexp / softmax (a custom_jvp call whose rule is its body's
+            # derivative): evaluated as its body, as 0.10.2 writes it, so its values are named.
+            return self._sub(params["call_jaxpr"])(*invals)
         remat3 = _jc.remat3_params(eqn)
         if name == "remat2" or remat3 is not None:
             jaxpr, policy, prevent_cse = remat3 or (
