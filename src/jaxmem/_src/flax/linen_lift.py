@@ -5,7 +5,6 @@ in and out axes moved to the front and back.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -17,7 +16,7 @@ from jax.tree_util import keystr, tree_flatten_with_path
 
 from jaxmem._src.flax import compat as _compat
 from jaxmem._src.scan import api as _scan
-from jaxmem._src.scan.options import ScanOptions, check_unroll
+from jaxmem._src.scan.options import ScanOptions
 
 
 def _to_front(ax, xs):
@@ -56,7 +55,7 @@ def _broadcast_outputs(body_fn, init, xs):
         ) from None
 
 
-def _axes_scan(fn, in_axes, out_axes, length, reverse, unroll, check_constancy, options, on_loop):
+def _axes_scan(fn, in_axes, out_axes, length, reverse, check_constancy, options, on_loop):
     """``flax.core.axes_scan.scan`` with :func:`jaxmem.scan` as its loop.
 
     ``fn(broadcast_in, carry, *args) -> (broadcast_out, carry, ys)``; broadcast outputs are
@@ -152,8 +151,7 @@ def _lift_scan(
     """``flax.core.lift.scan`` with ``jaxmem.scan`` as its loop (same rng and variable layout),
     under ``options`` (their ``unroll`` replaced by the one lift.scan passes, checked)."""
     fname = options.fname
-    if (unroll, type(unroll)) != (options.unroll, type(options.unroll)):
-        options = dataclasses.replace(options, unroll=check_unroll(unroll, fname))
+    options = options.with_unroll(unroll)
     variable_in_axes, variable_out_axes = _compat.split_in_out_axes(variable_axes)
     variable_in_groups, variable_in_axes = _compat.unzip2(variable_in_axes.items())
     variable_out_groups, variable_out_axes = _compat.unzip2(variable_out_axes.items())
@@ -198,7 +196,6 @@ def _lift_scan(
             out_axes=(out_axes, variable_out_axes),
             length=n,
             reverse=reverse,
-            unroll=unroll,
             check_constancy=check_constancy_invariants,
             options=options,
             on_loop=pin.start_loop,

@@ -45,7 +45,7 @@ from jaxmem._src.flax.linen import (
 from jaxmem._src.remat import auto as _auto
 from jaxmem._src.remat import presets as _presets
 from jaxmem._src.scan import api as _scan
-from jaxmem._src.scan.options import ScanOptions, check_unroll, infer_length
+from jaxmem._src.scan.options import ScanOptions, infer_length
 
 
 def _check_stack(layers: Any, length: int, fname: str):
@@ -170,9 +170,7 @@ def _loop(f, init, xs, length=None, reverse=False, unroll=1, _split_transpose=Fa
         outs = run(*carry, *x)
         return list(outs[:n_carry]), list(outs[n_carry:])
 
-    # Flax passes the layer's unroll on (True and 1 compare equal: their types are compared too).
-    if (unroll, type(unroll)) != (options.unroll, type(options.unroll)):
-        options = dataclasses.replace(options, unroll=check_unroll(unroll, options.fname))
+    options = options.with_unroll(unroll)  # Flax passes the layer's unroll on
     final, ys = _scan.run_with(step, carry_leaves, x_leaves, length, bool(reverse), options)
     return tree_unflatten(traced.carry_tree, final), tree_unflatten(traced.y_tree, ys)
 

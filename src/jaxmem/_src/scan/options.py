@@ -107,12 +107,16 @@ class ScanOptions:
         its ``checkpoints`` where these options give none).
         """
         checkpoints = _auto.resolve_checkpoints(self.policy, self.checkpoints)
-        policy = _auto.resolve(self.policy, self.fname)
-        if policy is not None:
-            checks.check_callable(f, "the body f(carry, x)", self.fname)
-            f = jax.checkpoint(f, policy=policy, prevent_cse=False)
-        opts = dataclasses.replace(self, checkpoints=checkpoints, own_remat=policy is not None)
-        return f, opts
+        stepped = apply_policy(f, self.policy, self.fname)
+        opts = dataclasses.replace(self, checkpoints=checkpoints, own_remat=stepped is not f)
+        return stepped, opts
+
+    def with_unroll(self, unroll) -> ScanOptions:
+        """These options with ``unroll`` (checked), as a library's loop passes it on (Flax's
+        scans do); themselves where it is the same (``True`` and ``1`` differ)."""
+        if (unroll, type(unroll)) == (self.unroll, type(self.unroll)):
+            return self
+        return dataclasses.replace(self, unroll=check_unroll(unroll, self.fname))
 
 
 RECOMPUTE_MODES = ("auto", "cheap", "none")

@@ -54,10 +54,14 @@ class Loop(NamedTuple):
     slots: int | None  # checkpoint slots (None: the lean VJP)
     restore: Any  # puts the dropped carries back into the outputs
 
+    @property
+    def spaces(self) -> list:
+        """The inputs' memory spaces: inputs in host memory get their cotangents there."""
+        return [jax.typeof(v).memory_space for group in self.inputs for v in group]
+
     def lean(self, reverse: bool, opts: _opts.ScanOptions) -> _LeanScan:
         """The lean VJP's rules for this loop."""
-        spaces = [jax.typeof(v).memory_space for group in self.inputs for v in group]
-        return _LeanScan(self.body, self.length, reverse, opts, spaces)
+        return _LeanScan(self.body, self.length, reverse, opts, self.spaces)
 
 
 def trace_loop(f, init, xs, length, opts: _opts.ScanOptions, diff_consts=False) -> Loop:
@@ -81,8 +85,7 @@ def run(f, init, xs, length, reverse: bool, opts: _opts.ScanOptions):
     if slots is None:
         rules = loop.lean(reverse, opts)
     else:
-        spaces = [jax.typeof(v).memory_space for group in inputs for v in group]
-        rules = _CheckpointedScan(body, loop.length, reverse, opts, slots, spaces)
+        rules = _CheckpointedScan(body, loop.length, reverse, opts, slots, loop.spaces)
     choice = None  # the program of a loop unrolled whole or in part (scan's unrolled module)
     if slots is None and _chooses_unrolled(rules):
         choice, _ = _unrolled_choice(rules, inputs, body)
