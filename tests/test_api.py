@@ -57,6 +57,16 @@ def issubclass_exception(obj):
     return inspect.isclass(obj) and issubclass(obj, BaseException)
 
 
+@pytest.mark.parametrize("old, new", [("Plan", "RematPlan"), ("ScanPlan", "ScanResiduals")])
+def test_renamed_names_resolve_with_a_deprecation_warning(old, new):
+    with pytest.warns(DeprecationWarning, match=f"jaxmem.{old} is deprecated; use jaxmem.{new}"):
+        obj = getattr(jaxmem, old)
+    assert obj is getattr(jaxmem, new)
+    assert old not in jaxmem.__all__ and old not in dir(jaxmem)
+    with pytest.raises(AttributeError, match="no attribute 'Plans'"):
+        jaxmem.Plans  # noqa: B018
+
+
 def test_version():
     assert isinstance(jaxmem.__version__, str)
 

@@ -114,13 +114,28 @@ __all__ = [
 ]
 
 
+# Public names renamed when the plans were named by what they plan: the old spelling still
+# resolves, with a DeprecationWarning naming the new one.
+_RENAMED = {"Plan": "RematPlan", "ScanPlan": "ScanResiduals"}
+
+
 def __getattr__(name):
     # Runs only for attributes not found otherwise: `jaxmem.flax` before its first import (the
-    # import then binds it here, as any submodule).
+    # import then binds it here, as any submodule), and the renamed names.
     if name == "flax":
         import importlib
 
         return importlib.import_module("jaxmem.flax")
+    if name in _RENAMED:
+        import warnings
+
+        new = _RENAMED[name]
+        warnings.warn(
+            f"jaxmem.{name} is deprecated; use jaxmem.{new} (the same class)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return globals()[new]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
