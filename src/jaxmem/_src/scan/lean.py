@@ -165,9 +165,8 @@ class _LeanScan:
         (by default, where the loop is unrolled whole; the forward loop stays unrolled as
         asked). Unrolled whole, the backward loop is one straight-line program with the
         forward's, where XLA may keep every step's rebuilt residuals and cotangent arithmetic
-        live at once (1.04x-1.11x ``lax.scan(..., unroll=True)``'s temp on a tanh RNN at T
-        8-24); rolled, each backward step's temporaries are freed before the next (0.33x-0.38x
-        that stock, CPU, jax 0.12.0.1). Unrolled in part, the same holds for the steps of one
+        live at once; rolled, each backward step's temporaries are freed before the next
+        (docs/design.md §7). Unrolled in part, the same holds for the steps of one
         unrolled trip, where stock's backward steps, which rebuild nothing, may need less."""
         unroll = _loop_unroll(self.length, self.opts.unroll)
         roll = self.unrolled_whole if self.roll_backward is None else self.roll_backward

@@ -5,39 +5,34 @@ and there XLA's schedule, more than the residuals kept, sets the memory. These p
 the same values and gradients (the fourth under ``policy=`` only):
 
 - ``"rolled_backward"``: the lean VJP with its forward loop unrolled as asked and its backward
-  loop rolled, each backward step's temporaries freed before the next. On a tanh RNN at T 8-24
-  0.33x-0.42x the temp of ``lax.scan(..., unroll=True)`` (whose own straight-line program needs
-  1.7x-1.9x its rolled loop's), on Penzai's layer stack 0.71x;
-- ``"unrolled"``: the lean VJP with both loops unrolled (1.04x-1.11x that stock on the RNN);
+  loop rolled, each backward step's temporaries freed before the next (``lax.scan(...,
+  unroll=True)``'s own straight-line gradient keeps more than its rolled loop's);
+- ``"unrolled"``: the lean VJP with both loops unrolled;
 - ``"stock"``: ``lax.scan``'s own VJP. Where every value of the step fuses (elementwise
   bodies), XLA runs stock's straight-line gradient in the outputs' buffers, with no temp at all,
   which neither lean program reaches;
 - ``"stock_prevent_cse"``, under ``policy=`` only: ``lax.scan``'s VJP of the step under
   ``jax.checkpoint``'s default ``prevent_cse=True`` where jaxmem applies the policy at
   ``prevent_cse=False`` (right for a rolled loop). In a straight-line program XLA may merge a
-  ``prevent_cse=False`` recompute with the forward pass, the policy then a no-op: a random body
-  under ``policy="nothing"`` compiled to 1.52x ``lax.scan`` over ``jax.checkpoint(step,
-  policy=...)`` on jax 0.10.2. Which of the two is leaner depends on the body (on jax 0.12.0.1
-  ``prevent_cse=False`` leaves other bodies' gradients with no temp at all).
+  ``prevent_cse=False`` recompute with the forward pass, the policy then a no-op; which of the
+  two is leaner depends on the body.
 
-No one program is the leanest everywhere (on 70 of the random bodies of
-``tests/scan/test_scan_memory.py`` unrolled whole, jax 0.12.0.1: each of the three above the
-bar of 1.02x stock + 16 KiB on 9 to 13 of them), so each is compiled on the loop alone, its
-gradient that of a sum of squares of every float output with respect to every float input,
-and the one with the least temp runs (ties in the order above). The loss around the loop is
-not known when the program is chosen (the residuals' types depend on it), and a loss that reads
-part of the outputs can reverse the order: on a random body whose loss reads only the final
-carry, the rolled backward loop was the leanest under a loss of every output and 1.88x stock
-under the real one. So a lean winner must also be within 1.02x + 16 KiB of stock under a loss of
-the final carry alone and one of the ys alone (where each is not the whole), else the next one
-is tried, the leaner stock program last. Nothing runs: three compilations (four under
-``policy=``) at the first trace of each loop signature, and where a lean program wins, four more
-(two for stock, two for it; two more for the next one where it fails), cached.
+No one program is the leanest everywhere, so each is compiled on the loop alone, its gradient
+that of a sum of squares of every float output with respect to every float input, and the one
+with the least temp runs (ties in the order above). The loss around the loop is not known when
+the program is chosen (the residuals' types depend on it), and a loss that reads part of the
+outputs can reverse the order, so a lean winner must also be within 1.02x + 16 KiB of stock
+under a loss of the final carry alone and one of the ys alone (where each is not the whole),
+else the next one is tried, the leaner stock program last. Nothing runs: three compilations
+(four under ``policy=``) at the first trace of each loop signature, and where a lean program
+wins, four more (two for stock, two for it; two more for the next one where it fails), cached.
 
 A loop unrolled in part (``1 < unroll < length``) keeps its backward loop unrolled alike, a
 speed hint, where that is within the bar of the leanest stock program under each of the three
 losses; else the leanest stock program runs (:func:`keep_unroll`): unrolled steps' small
-buffers can be live at once, 1.04x-1.15x stock on five random bodies with both loops unrolled.
+buffers can be live at once.
+
+The measurements behind each rule are in docs/design.md §7.
 """
 
 from __future__ import annotations
@@ -87,9 +82,8 @@ def keep_unroll(key, programs: dict, in_avals: tuple) -> tuple[str, dict]:
     every output and of each part (the final carry alone, the ys alone), else the leanest stock
     program; with the compiled temp bytes of each candidate measured (under a loss of every
     output). Unrolling is a speed hint, so the backward loop keeps it unless it costs memory
-    over stock; it is not rolled instead, which can cost time over stock (1.10x on a small
-    random body at unroll 4, jax 0.10.2), where ``lax.scan``'s VJP costs neither. Arguments as
-    for :func:`measure`."""
+    over stock; it is not rolled instead, which can cost time over stock (docs/design.md §7),
+    where ``lax.scan``'s VJP costs neither. Arguments as for :func:`measure`."""
     cached = _CHOICES.get(key)
     if cached is not None:
         return cached
