@@ -449,6 +449,31 @@ def test_a_body_that_casts_to_bf16_compiles_smaller(fmt):
     assert temp(fmt) < temp(None)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="known gap: compress= can compile above compress=None where the kept stack is small"
+    " beside the weights (benchmarks.compress's transposed_weights: 1.200x bf16, 1.086x fp8 and"
+    " int8). Plan: keep a value compressed only where the compiled temp falls, measured as the"
+    " unrolled chooser measures its programs (scan/unrolled.py).",
+)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_compress_is_not_above_none_where_the_weights_dominate(fmt):
+    # h = tanh(h @ w.T) over [8, 128, 128] weights, batch 16: the kept h is 64 KiB a step.
+    rng = np.random.default_rng(0)
+    ws = jnp.asarray(rng.normal(size=(8, 128, 128)) / math.sqrt(128), jnp.float32)
+    h0 = jnp.asarray(rng.normal(size=(16, 128)), jnp.float32)
+
+    def temp(compress):
+        def loss(ws, h0):
+            step = lambda h, w: (jnp.tanh(h @ w.T), None)
+            return jnp.sum(jaxmem.scan(step, h0, ws, compress=compress)[0] ** 2)
+
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+        return grad.lower(ws, h0).compile().memory_analysis().temp_size_in_bytes
+
+    assert temp(fmt) <= temp(None)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_non_finite_values_stay_non_finite(fmt):
     x = jnp.asarray(np.random.default_rng(0).normal(size=(4, 32)), jnp.float32)
