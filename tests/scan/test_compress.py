@@ -430,23 +430,26 @@ def _cast_step(h, w):
     return jnp.tanh(y.astype(jnp.float32)), None
 
 
+def _stack_temp(step, layers: int, batch: int, d: int, compress) -> int:
+    """Compiled temp of the gradient (w.r.t. the weights and h0) of ``sum(h_L**2)`` for
+    ``jaxmem.scan(step, h0, ws, compress=compress)`` over [layers, d, d] weights, h0 [batch, d]."""
+    rng = np.random.default_rng(0)
+    ws = jnp.asarray(rng.normal(size=(layers, d, d)) / math.sqrt(d), jnp.float32)
+    h0 = jnp.asarray(rng.normal(size=(batch, d)), jnp.float32)
+
+    def loss(ws, h0):
+        return jnp.sum(jaxmem.scan(step, h0, ws, compress=compress)[0] ** 2)
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    return grad.lower(ws, h0).compile().memory_analysis().temp_size_in_bytes
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_body_that_casts_to_bf16_compiles_smaller(fmt):
     # Decoding bf16 by a convert let XLA fold convert(convert(bf16 -> f32) -> bf16) in such a
     # body, and jax 0.10.2's XLA:CPU then left the weight gradient's dot unfused: 1.2x the
     # temp of compress=None. The decode widens by integer ops instead.
-    rng = np.random.default_rng(0)
-    ws = jnp.asarray(rng.normal(size=(8, 512, 512)) / math.sqrt(512), jnp.float32)
-    h0 = jnp.asarray(rng.normal(size=(32, 512)), jnp.float32)
-
-    def temp(compress):
-        def loss(ws, h0):
-            return jnp.sum(jaxmem.scan(_cast_step, h0, ws, compress=compress)[0] ** 2)
-
-        grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
-        return grad.lower(ws, h0).compile().memory_analysis().temp_size_in_bytes
-
-    assert temp(fmt) < temp(None)
+    assert _stack_temp(_cast_step, 8, 32, 512, fmt) < _stack_temp(_cast_step, 8, 32, 512, None)
 
 
 @pytest.mark.xfail(
@@ -458,20 +461,9 @@ def test_a_body_that_casts_to_bf16_compiles_smaller(fmt):
 )
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_compress_is_not_above_none_where_the_weights_dominate(fmt):
-    # h = tanh(h @ w.T) over [8, 128, 128] weights, batch 16: the kept h is 64 KiB a step.
-    rng = np.random.default_rng(0)
-    ws = jnp.asarray(rng.normal(size=(8, 128, 128)) / math.sqrt(128), jnp.float32)
-    h0 = jnp.asarray(rng.normal(size=(16, 128)), jnp.float32)
-
-    def temp(compress):
-        def loss(ws, h0):
-            step = lambda h, w: (jnp.tanh(h @ w.T), None)
-            return jnp.sum(jaxmem.scan(step, h0, ws, compress=compress)[0] ** 2)
-
-        grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
-        return grad.lower(ws, h0).compile().memory_analysis().temp_size_in_bytes
-
-    assert temp(fmt) <= temp(None)
+    # h = tanh(h @ w.T) over [8, 128, 128] weights, batch 16: the kept h is 8 KiB a step.
+    step = lambda h, w: (jnp.tanh(h @ w.T), None)
+    assert _stack_temp(step, 8, 16, 128, fmt) <= _stack_temp(step, 8, 16, 128, None)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
