@@ -131,7 +131,7 @@ def test_budget_strings_and_floats(budget, want):
 
 @pytest.mark.parametrize("bad", [-1, "-1GB", "48 apples", float("nan")])
 def test_bad_budget_raises_value_error(bad):
-    with pytest.raises(ValueError, match="budget must be a size in bytes"):
+    with pytest.raises(ValueError, match=r"^jaxmem.optimize: budget=.* (is negative|is not a)"):
         jaxmem.optimize(jnp.sin, budget=bad)
 
 
@@ -146,7 +146,7 @@ def test_budget_option_errors():
         jaxmem.optimize(jnp.sin, budget="1GiB", objective="memory")
     with pytest.raises(ValueError, match="budget_plan needs"):
         jaxmem.optimize(jnp.sin).budget_plan(jnp.ones(3))
-    with pytest.raises(TypeError, match="budget must be a size"):
+    with pytest.raises(TypeError, match="^jaxmem.optimize: budget must be a byte size"):
         jaxmem.optimize(jnp.sin, budget=[1])
     deco = jaxmem.optimize(budget="1GiB")(jnp.sin)  # the decorator form
     assert deco._budget == 2**30

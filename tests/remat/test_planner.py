@@ -291,10 +291,10 @@ def test_a_plan_applies_to_functions_jitted_before():
 
 def test_bad_input():
     for bad in (-1, -0.5, "-1GB", "48 MiBs", "1.5.2GB", "", float("inf")):
-        with pytest.raises(ValueError, match="budget must be a size in bytes"):
+        with pytest.raises(ValueError, match=r"^jaxmem.plan: budget=.* (is negative|is not a)"):
             jaxmem.plan(_rnn_loss, *RNN_ARGS, budget=bad)
     for bad in (True, None, [10**6]):
-        with pytest.raises(TypeError, match="budget must be a size in bytes"):
+        with pytest.raises(TypeError, match="^jaxmem.plan: budget must be a byte size"):
             jaxmem.plan(_rnn_loss, *RNN_ARGS, budget=bad)
     with pytest.raises(ValueError, match="max_compiles=2; it needs at least 3"):
         jaxmem.plan(_rnn_loss, *RNN_ARGS, budget=10**6, max_compiles=2)

@@ -8,7 +8,9 @@ jax.ShapeDtypeStruct can be traced``.
 
 from __future__ import annotations
 
+import fractions
 import functools
+import math
 import re
 import reprlib
 import threading
@@ -63,46 +65,81 @@ def warn_once(
     return True
 
 
+# Byte units, case-insensitive: decimal (SI) powers of 1000 and binary (IEC) powers of 1024. A
+# bare "K", "M" or "G" is refused: it means 10**3 to some and 2**10 to others.
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_BYTES = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*")
+_BYTES = re.compile(r"\s*([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*")
+_AMBIGUOUS = {"k": ("kB", "KiB"), "m": ("MB", "MiB"), "g": ("GB", "GiB"), "t": ("TB", "TiB")}
+BYTE_FORMS = (
+    "an int, a float or a string such as '64MiB' or '40MB' (units B; kB, MB, GB, TB: "
+    "powers of 1000; KiB, MiB, GiB, TiB: powers of 1024; any case; a bare K, M or G is not "
+    "accepted)"
+)
 
 
 def byte_count(value: Any, argname: str, caller: str) -> int:
-    """A number of bytes, as an int: an int, a float (rounded down) or a string with a unit
-    (``"48MiB"``, ``"1.5GB"``, ``"8GiB"``, ``"512"``; kB/MB/GB/TB are powers of 1000, KiB/MiB/
-    GiB/TiB of 1024, case-insensitive).
+    """A number of bytes, as an int, from what a user types: an int, a float (rounded down to
+    whole bytes: ``0.3 * temp``) or a string with a unit, case-insensitive, with or without a
+    space (``"64MiB"``, ``"40MB"``, ``"1.5 GiB"``, ``"100kB"``, ``"123"``, ``"123B"``). kB, MB,
+    GB and TB are powers of 1000, KiB, MiB, GiB and TiB of 1024; a bare ``"K"``, ``"M"`` or
+    ``"G"`` is refused (it means either). A string is read exactly (``"1.001kB"`` is 1001).
+
+    Args:
+      value: the size as given.
+      argname: the argument's name in the caller's API, e.g. ``"budget"``.
+      caller: the public function, e.g. ``"jaxmem.optimize"``.
+
+    Returns:
+      The size in whole bytes (>= 0).
 
     Raises:
       TypeError: not a number or a string (``True``, None, a list).
-      ValueError: negative, not finite, or a string that is not a size.
+      ValueError: negative, nan or infinite, or a string that is not a size (the message
+        names the forms accepted).
 
     Examples:
-        >>> byte_count("48MiB", "budget", "f"), byte_count("1.5GB", "budget", "f")
-        (50331648, 1500000000)
-        >>> byte_count(5.2e7, "budget", "f")
-        52000000
-        >>> byte_count("-1GB", "budget", "f")  # doctest: +ELLIPSIS
+        >>> byte_count("64MiB", "budget", "f"), byte_count("40 mb", "budget", "f")
+        (67108864, 40000000)
+        >>> byte_count(5.2e7, "budget", "f"), byte_count(1e3 / 3, "budget", "f")
+        (52000000, 333)
+        >>> byte_count("40 MBs", "budget", "jaxmem.optimize")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        ValueError: f: budget must be a size in bytes (...), got str ('-1GB')
+        ValueError: jaxmem.optimize: budget='40 MBs' is not a byte size; use an int, a float ...
+        >>> byte_count(-1, "budget", "jaxmem.plan")
+        Traceback (most recent call last):
+        ...
+        ValueError: jaxmem.plan: budget=-1 is negative; a byte size is 0 or more
     """
-    bad = ValueError(
-        f"{caller}: {argname} must be a size in bytes (an int, a float or a string such as "
-        f'"48MiB", "1.5GB", "8GiB"), got {describe(value)}'
-    )
     if isinstance(value, str):
-        match = _BYTES.fullmatch(value)
-        if match is None or match.group(2).lower() not in _UNITS:
-            raise bad
-        number = float(match.group(1)) * _UNITS[match.group(2).lower()]
+        number = _parse_bytes(value, argname, caller)
     elif isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
         number = value
+        if not np.isfinite(float(value)):
+            raise ValueError(
+                f"{caller}: {argname}={value!r} is not a finite byte size; use {BYTE_FORMS}"
+            )
     else:
-        raise TypeError(str(bad))
-    if not np.isfinite(float(number)) or number < 0:
-        raise bad
-    return int(number)
+        raise TypeError(
+            f"{caller}: {argname} must be a byte size, {BYTE_FORMS}; got {describe(value)}"
+        )
+    if number < 0:
+        raise ValueError(f"{caller}: {argname}={value!r} is negative; a byte size is 0 or more")
+    return math.floor(number)
+
+
+def _parse_bytes(text: str, argname: str, caller: str) -> fractions.Fraction:
+    """``text``'s bytes, exact (a Fraction: ``"1.001kB"`` is 1001, where floats give 1000.99...)."""
+    match = _BYTES.fullmatch(text)
+    unit = match.group(2).lower() if match else None
+    if unit not in _UNITS:
+        hint = ""
+        if unit in _AMBIGUOUS:
+            decimal, binary = _AMBIGUOUS[unit]
+            hint = f" ({match.group(2)!r} alone is ambiguous: write {decimal} or {binary})"
+        raise ValueError(f"{caller}: {argname}={text!r} is not a byte size{hint}; use {BYTE_FORMS}")
+    return fractions.Fraction(match.group(1)) * _UNITS[unit]
 
 
 def describe(x: Any) -> str:
