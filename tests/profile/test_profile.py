@@ -1,6 +1,7 @@
 """Tests for jaxmem.profile / jaxmem.compare (src/jaxmem/_src/profile/report.py)."""
 
 import collections
+import dataclasses
 import inspect
 import json
 import math
@@ -139,7 +140,23 @@ def test_non_scalar_fn_has_no_residuals():
     assert report.residuals is None
     assert report.residual_bytes is None
     assert report.residual_bytes_by_origin == {}
-    assert "n/a" in str(report)
+    assert "Residuals: not listed, as the function does not return a scalar loss" in str(report)
+
+
+def test_gradient_report_says_where_the_residuals_are():
+    grad = jax.grad(mlp_loss)
+    report = jaxmem.profile(grad, W1, W2, X)
+    assert report.residuals is None
+    stats = jax.jit(grad).lower(W1, W2, X).compile().memory_analysis()
+    assert report.temp_bytes == stats.temp_size_in_bytes  # the whole step's figures
+    says = (
+        "Residuals: not listed, as the function does not return a scalar loss: profile the loss\n"
+        "  itself, jaxmem.profile(loss, ...), to list what its gradient saves. The figures above "
+        "are\n  this function's whole compiled program (for jax.grad(loss) or a train step: the "
+        "forward\n  and the backward pass together)."
+    )
+    assert says in str(report) and says in report.to_markdown()
+    assert "Residuals saved" not in str(report)
 
 
 def test_integer_scalar_fn_has_no_residuals():
@@ -212,8 +229,9 @@ def test_to_dict_json_roundtrip(mlp_report):
 def test_str_and_markdown(mlp_report):
     text = str(mlp_report)
     assert text.startswith("MemoryReport: mlp_loss")
-    for f in FIELDS:
-        assert f"{f}_bytes" in text
+    for f in FIELDS:  # the host_* fields are all zero on CPU: left out, with one line
+        assert (f"{f}_bytes" in text) == (not f.startswith("host_")), f
+    assert "host_*_bytes: 0 in every field (nothing placed in host memory); rows left out." in text
     assert "peak_bytes" in text
     for r in mlp_report.residuals:
         row = re.escape(str(r.shape)) + r"\s+" + r.dtype + r"\s+" + f"{r.bytes:,}"
@@ -222,6 +240,64 @@ def test_str_and_markdown(mlp_report):
     assert "test_profile.py:" in text  # source column
     md = mlp_report.to_markdown()
     assert "| temp_bytes |" in md and "| (4, 6) | float32 | 96 |" in md
+
+
+def _table_rows(text: str, first: str) -> list[list[str]]:
+    """The rows (cells split on 2+ spaces) of the text table under the line ``first``."""
+    lines = text.splitlines()
+    start = lines.index(first) + 3  # the title, the header, the rule
+    rows = []
+    for line in lines[start:]:
+        if not line.startswith("  "):
+            break
+        rows.append(re.split(r"\s{2,}", line.strip()))
+    return rows
+
+
+def test_memory_rows_hide_host_fields_only_when_all_zero(mlp_report):
+    def fields(report, markdown=False):
+        if markdown:
+            lines = report.to_markdown().splitlines()
+            return [line.split(" | ")[0].lstrip("| ") for line in lines[4:] if "_bytes |" in line]
+        return [row[0] for row in _table_rows(str(report), f"MemoryReport: {report.name}")]
+
+    shown = [f"{f}_bytes" for f in FIELDS if not f.startswith("host_")] + ["peak_bytes"]
+    assert all(getattr(mlp_report, f"{f}_bytes") == 0 for f in FIELDS if f.startswith("host_"))
+    assert fields(mlp_report) == fields(mlp_report, markdown=True) == shown
+    note = "host_*_bytes: 0 in every field (nothing placed in host memory); rows left out."
+    assert note in str(mlp_report) and note in mlp_report.to_markdown()
+    d = mlp_report.to_dict()  # the data keeps every field
+    assert {f"{f}_bytes" for f in FIELDS} <= set(d) and d["host_temp_bytes"] == 0
+    # One host field not zero (offload on a GPU or TPU): every host row shows, the note does not.
+    offloaded = dataclasses.replace(mlp_report, host_output_bytes=4096)
+    every = [f"{f}_bytes" for f in FIELDS] + ["peak_bytes"]
+    assert fields(offloaded) == fields(offloaded, markdown=True) == every
+    assert note not in str(offloaded) and note not in offloaded.to_markdown()
+    assert re.search(r"host_output_bytes\s+4,096\s+4.00 KiB", str(offloaded))
+
+
+def _many_residuals(*xs):
+    return sum(jnp.sum(jnp.sin(x)) for x in xs)  # each sin saves cos(x): 4 * (i + 1) bytes
+
+
+def test_long_residual_listings_show_the_largest_and_count_the_rest():
+    report = jaxmem.profile(_many_residuals, *[jnp.ones(i + 1) for i in range(13)])
+    sizes = [r.bytes for r in report.residuals]
+    assert sizes == [4 * n for n in range(13, 0, -1)] and report.residual_bytes == 364
+    title = "Residuals saved for the gradient (13, largest first; the 10 largest shown):"
+    rows = _table_rows(str(report), title)
+    assert [row[:4] for row in rows[:-1]] == [
+        [f"({n},)", "float32", f"{4 * n}", f"{4 * n} B"] for n in range(13, 3, -1)
+    ]
+    assert rows[-1] == ["... 3 more", "24", "24 B"]  # (3,), (2,), (1,): 12 + 8 + 4 bytes
+    assert sum(int(row[2]) for row in rows[:-1]) + int(rows[-1][1]) == report.residual_bytes
+    md = report.to_markdown()
+    assert title in md and "| ... 3 more |  | 24 | 24 B |  |  |  |" in md
+    assert md.count("| float32 |") == 10
+    # Ten or fewer: every residual, no count line.
+    short = jaxmem.profile(_many_residuals, *[jnp.ones(i + 1) for i in range(10)])
+    full = "Residuals saved for the gradient (10, largest first):"
+    assert len(_table_rows(str(short), full)) == 10 and "more" not in str(short)
 
 
 def test_human_units():
@@ -355,7 +431,7 @@ def stacked_loss(w, xs):
         h = jnp.tanh(h @ w + x)  # STACKED: its result is stacked by lax.scan for the gradient
         return h, None
 
-    h, _ = jax.lax.scan(step, xs[0], xs)  # SCAN: lax.scan stacks the carry sequence h
+    h, _ = jax.lax.scan(step, xs[0], xs)  # SCAN: lax.scan stacks the carry sequence h, made in step
     return jnp.sum(h)
 
 
@@ -373,15 +449,19 @@ def test_peak_buffer_points_at_the_line_that_made_it():
     assert report.top_contributors(1)[0].key.startswith(_marked_line(outer_loss, "# BIG"))
 
 
-def test_stacked_residuals_point_at_the_step_and_the_scan():
+@pytest.mark.parametrize("scan", ["lax.scan", "jaxmem.optimize"])
+def test_stacked_residuals_point_at_the_line_in_the_step_that_made_them(scan):
+    # tanh's residual and the carry sequence (stacked by the loop itself) were both made by the
+    # step's line, not by the line that calls the scan, nor by jaxmem's loop.
     w, xs = jnp.eye(64) * 0.5, jnp.ones((256, 32, 64))
-    report = jaxmem.profile(jax.grad(stacked_loss), w, xs)
+    loss = stacked_loss if scan == "lax.scan" else jaxmem.optimize(stacked_loss)
+    report = jaxmem.profile(jax.grad(loss), w, xs)
     stacks = [b for b in report.peak_buffers if b.loop_state and b.shape == (256, 32, 64)]
-    # tanh's residual, made in the step, and the carry sequence, stacked by lax.scan itself.
-    assert {b.source.split(" ")[0] for b in stacks} == {
-        _marked_line(stacked_loss, "# STACKED"),
-        _marked_line(stacked_loss, "# SCAN"),
-    }
+    assert stacks
+    assert {b.source.split(" ")[0] for b in stacks} == {_marked_line(stacked_loss, "# STACKED")}
+    for b in stacks:  # the call chain: the step, then the loss that runs the scan
+        functions = [c.rsplit("(", 1)[-1].rstrip(")") for c in b.chain]
+        assert functions[:2] == ["stacked_loss.<locals>.step", "stacked_loss"], b.chain
     assert report.peak_buffers[0].bytes == 256 * 32 * 64 * 4
     assert sum(g.bytes for g in report.top_contributors(100)) == report.buffers.peak_bytes
     # The live bytes at the peak, next to XLA's totals (arguments and the output live throughout

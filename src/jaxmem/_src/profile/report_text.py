@@ -28,21 +28,45 @@ MEMORY_FIELDS = (
 )
 
 RESIDUAL_HEADER = ["shape", "dtype", "bytes", "size", "origin", "source", "function"]
-_NO_RESIDUALS = "Residuals: n/a (the function does not return a scalar)"
+TOP_RESIDUALS = 10
+"""Residual rows shown, largest first; one more row counts the rest and their bytes."""
+
+# The residuals are the saved values of a scalar loss's gradient: a function that returns
+# anything else (its gradient, a train step's new parameters) has none to list.
+_NO_RESIDUALS = (
+    "Residuals: not listed, as the function does not return a scalar loss: profile the loss\n"
+    "  itself, jaxmem.profile(loss, ...), to list what its gradient saves. The figures above are\n"
+    "  this function's whole compiled program (for jax.grad(loss) or a train step: the forward\n"
+    "  and the backward pass together)."
+)
+_NO_HOST = "host_*_bytes: 0 in every field (nothing placed in host memory); rows left out."
+
+
+def _shown_fields(report: Any) -> list[str]:
+    """The memory fields shown: the ``host_*`` ones only where one of them is not zero (host
+    memory is used only by offload, on a backend that has it; ``to_dict`` keeps them all)."""
+    host = [name for name, _ in MEMORY_FIELDS if name.startswith("host_")]
+    hidden = host if not any(getattr(report, name) for name in host) else []
+    return [name for name, _ in MEMORY_FIELDS if name not in hidden]
 
 
 def _memory_rows(report: Any) -> list[list[str]]:
     rows = [
         [name, f"{getattr(report, name):,}", format_bytes(getattr(report, name))]
-        for name, _ in MEMORY_FIELDS
+        for name in _shown_fields(report)
     ]
     peak = report.peak_bytes
     rows.append(["peak_bytes", "n/a" if peak is None else f"{peak:,}", format_bytes(peak)])
     return rows
 
 
+def _host_note(report: Any) -> list[str]:
+    return [] if len(_shown_fields(report)) == len(MEMORY_FIELDS) else [_NO_HOST]
+
+
 def _residual_rows(report: Any) -> list[list[str]]:
-    return [
+    residuals = report.residuals or ()
+    rows = [
         [
             str(r.shape),
             r.dtype,
@@ -52,8 +76,19 @@ def _residual_rows(report: Any) -> list[list[str]]:
             short_source(r.source),
             r.function,
         ]
-        for r in report.residuals or ()
+        for r in residuals[:TOP_RESIDUALS]
     ]
+    rest = residuals[TOP_RESIDUALS:]
+    if rest:
+        left = sum(r.bytes for r in rest)
+        rows.append([f"... {len(rest)} more", "", f"{left:,}", format_bytes(left), "", "", ""])
+    return rows
+
+
+def _residual_title(report: Any) -> str:
+    n = len(report.residuals)
+    shown = f"; the {TOP_RESIDUALS} largest shown" if n > TOP_RESIDUALS else ""
+    return f"Residuals saved for the gradient ({n}, largest first{shown}):"
 
 
 def _totals_rows(report: Any) -> list[list[str]]:
@@ -73,11 +108,12 @@ def text(report: Any) -> str:
     parts = [
         _title(report),
         _fmt.text_table(["field", "bytes", "size"], _memory_rows(report), {1, 2}),
+        *_host_note(report),
     ]
     if report.residuals is None:
         parts.append(_NO_RESIDUALS)
     else:
-        parts.append(f"Residuals saved for the gradient ({len(report.residuals)}, largest first):")
+        parts.append(_residual_title(report))
         if report.residuals:
             parts.append(_fmt.text_table(RESIDUAL_HEADER, _residual_rows(report), {2, 3}))
         parts.append("Residual totals by origin:")
@@ -115,12 +151,13 @@ def markdown(report: Any) -> str:
         "",
         _fmt.md_table(["field", "bytes", "size"], _memory_rows(report), {1, 2}),
         "",
+        *(line for note in _host_note(report) for line in (note, "")),
     ]
     if report.residuals is None:
         parts.append(_NO_RESIDUALS)
     else:
         parts += [
-            f"Residuals saved for the gradient ({len(report.residuals)}, largest first):",
+            _residual_title(report),
             "",
             _fmt.md_table(RESIDUAL_HEADER, _residual_rows(report), {2, 3}),
             "",
