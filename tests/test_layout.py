@@ -16,6 +16,7 @@ LAYERS = {
     "optional": 0,
     "format": 0,
     "flop_count": 0,
+    "frames": 0,
     "listing": 1,
     "plots": 1,
     "offload": 1,
@@ -29,6 +30,7 @@ LAYERS = {
     "profile": 4,
     "flax": 5,
     "optimize": 5,
+    "lint": 6,
 }
 
 
@@ -252,6 +254,7 @@ def test_the_top_of_src_holds_leaves_and_one_package_per_concern():
     assert packages == [
         "chunking",
         "flax",
+        "lint",
         "losses",
         "optimize",
         "profile",

@@ -304,18 +304,19 @@ def test_unknown_module(tmp_path):
 
 
 def test_metadata_sources_both_forms():
+    from jaxmem._src.frames import Frame  # noqa: PLC0415
     from jaxmem._src.profile.buffers import _op_name_parts  # noqa: PLC0415
     from jaxmem._src.profile.xla_dump import _metadata, _source  # noqa: PLC0415
 
-    frames = {3: "/a/f.py:7 (loss)"}
+    chains = {3: (Frame("/a/f.py", 7, "loss"), Frame("/a/t.py", 2, "<module>"))}
     attrs = ', index=2, metadata={op_name="jit(f)/transpose(jvp())/sin" stack_frame_id=3}'
     meta = _metadata(attrs)
     assert meta["op_name"] == "jit(f)/transpose(jvp())/sin"
-    assert _source(meta, frames) == "/a/f.py:7 (loss)"
+    assert _source(meta, chains) == "/a/f.py:7 (loss)"
     # The older inline form: the innermost user frame's file and line, no function.
     inline = _metadata(' metadata={op_name="a/b" source_file="/a/f.py" source_line=12}')
     assert _source(inline, {}) == "/a/f.py:12"
-    assert _source(_metadata(""), frames) == ""
+    assert _source(_metadata(""), chains) == ""
     assert _op_name_parts("jit(f)/transpose(jvp(g/h))/while/body") == [
         "jit(f)",
         "transpose(jvp(g/h))",
@@ -323,6 +324,42 @@ def test_metadata_sources_both_forms():
         "body",
     ]
     assert _op_name_parts("") == []
+
+
+def test_stack_frames_table_reads_each_frame_with_its_callers():
+    # The dump prints a StackFrames row's parent as the parent's id + 1 (1: no parent).
+    from jaxmem._src.profile.xla_dump import _frame_chains  # noqa: PLC0415
+
+    tables = {
+        "FileNames": {1: '"/u/m.py"'},
+        "FunctionNames": {1: '"<module>"', 2: '"f"', 3: '"g"'},
+        "FileLocations": {
+            1: "{file_name_id=1 function_name_id=1 line=8}",
+            2: "{file_name_id=1 function_name_id=2 line=7}",
+            3: "{file_name_id=1 function_name_id=3 line=5}",
+        },
+        "StackFrames": {
+            1: "{file_location_id=1 parent_frame_id=1}",
+            2: "{file_location_id=2 parent_frame_id=2}",
+            3: "{file_location_id=3 parent_frame_id=3}",
+        },
+    }
+    chains = _frame_chains(tables, "dump.txt")
+    assert [str(f) for f in chains[3]] == ["/u/m.py:5 (g)", "/u/m.py:7 (f)", "/u/m.py:8 (<module>)"]
+    assert [f.function for f in chains[1]] == ["<module>"]
+
+
+def test_frames_of_an_inner_jit_outside_its_function_are_dropped():
+    # JAX reuses an inner jit's trace, tracebacks included: frames past the jitted function's own
+    # are those of whichever call traced it first.
+    from jaxmem._src.frames import Frame  # noqa: PLC0415
+    from jaxmem._src.profile.xla_dump import _this_trace  # noqa: PLC0415
+
+    frames = (Frame("/u/m.py", 3, "_ln"), Frame("/u/m.py", 9, "block"), Frame("/u/m.py", 20, "a"))
+    assert _this_trace(frames, "jit(loss)/while/body/mul") == frames
+    assert _this_trace(frames, "jit(loss)/jit(block)/mul") == frames[:2]
+    assert _this_trace(frames, "jit(loss)/jit(dynamic_index_in_dim)/dynamic_slice") == ()
+    assert _this_trace(frames, "jit(loss)/transpose(jvp(jit(block)))/mul") == frames[:2]
 
 
 def test_timeline_counts_shared_slices_once():

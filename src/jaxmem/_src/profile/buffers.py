@@ -41,6 +41,7 @@ import jax
 import numpy as np
 
 from jaxmem._src import jax_compat
+from jaxmem._src.profile.attribution import attribute
 from jaxmem._src.profile.xla_dump import (
     BufferDumpError,
     _Allocation,
@@ -99,13 +100,21 @@ class Buffer:
             metadata, the one that computes the data (for a scan's stacked output, the update
             written into it each step).
         op_name: JAX's ``op_name`` path from the metadata, ``""`` if none.
-        source: ``"file:line (function)"`` of the user code, ``""`` if none.
+        source: ``"file:line (function)"``: the line of the model's code that made the value
+            (not JAX's, jaxmem's or a framework's transform internals, see
+            :mod:`jaxmem._src.frames`; inside the loop body for loop-stacked values), ``""``
+            if none.
         start: first program point where the value is live, None if the live ranges omit it.
         end: last program point where the value is live, None if the live ranges omit it.
         memory_space: XLA's memory space (color) of the value: 0 default; host memory on
             GPU/TPU is 5 (``S(5)``). XLA:CPU colors everything 0.
         allocation: index of its allocation in the buffer assignment.
         offset: offset of its slice in the allocation.
+        chain: the model's frames of the call stack that made the value, ``source`` first,
+            then the calls that led to it (a framework's layer, then the user's files), out
+            to the outermost frame JAX recorded.
+        argument: the pytree path of the argument the value is (or is a slice or copy of),
+            e.g. ``"params['layers']['w1']"``, ``""`` if none.
 
     Examples:
         >>> b = Buffer("add.1", 1024, (256,), "f32", "temp", False, "add.1", "add.1",
@@ -129,6 +138,20 @@ class Buffer:
     memory_space: int
     allocation: int
     offset: int
+    chain: tuple[str, ...] = ()
+    argument: str = ""
+
+    @property
+    def attribution(self) -> str:
+        """What the bytes are attributed to: the model's line (:attr:`source`), else the
+        argument's pytree path (:attr:`argument`), else ``""``.
+
+        Examples:
+            >>> Buffer("p.1", 64, (16,), "f32", "argument", False, "p.1", "p.1", "params['w']",
+            ...        "", 0, 9, 0, 0, 0, argument="params['w']").attribution
+            "params['w']"
+        """
+        return self.source or self.argument
 
     @property
     def backward(self) -> bool:
@@ -286,13 +309,9 @@ class BufferReport:
 
 
 def _source_key(b: Buffer) -> str:
-    """A buffer's group in :meth:`BufferReport.by_source`: its source line; without one, an
-    argument by its name (its ``op_name``), anything else by kind (``"temp: no source"``)."""
-    if b.source:
-        return b.source
-    if b.kind == "argument" and b.op_name:
-        return f"argument {b.op_name}"
-    return f"{b.kind}: no source"
+    """A buffer's group in :meth:`BufferReport.by_source`: what it is attributed to (the model's
+    line, else the argument's pytree path); anything else by kind (``"temp: no source"``)."""
+    return b.attribution or f"{b.kind}: no source"
 
 
 def _op_name_parts(op_name: str) -> list[str]:
@@ -400,6 +419,7 @@ def _buffers(
                 )
             )
             origin = _origin(module, v.instruction, v.index)
+            where = attribute(module, v.instruction, v.index)
             key = v.name if "{" in v.name else v.name + "{}"
             start, end = live.ranges.get(key, (None, None))
             shape, dtype = _shape(v.shape)
@@ -414,12 +434,14 @@ def _buffers(
                     instruction=v.instruction,
                     origin=origin.name if origin is not None else v.instruction,
                     op_name=origin.op_name if origin is not None else "",
-                    source=origin.source if origin is not None else "",
+                    source=str(where.chain[0]) if where.chain else "",
                     start=start,
                     end=end,
                     memory_space=v.color,
                     allocation=alloc.index,
                     offset=v.offset,
+                    chain=tuple(str(f) for f in where.chain),
+                    argument=where.argument,
                 )
             )
     return tuple(out)

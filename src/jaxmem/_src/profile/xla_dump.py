@@ -10,8 +10,8 @@ import re
 
 import jax
 
-# read_buffers (in buffers.py) compiles a function of its own; its frames are not the user's.
-_READER_FILE = os.path.realpath(os.path.join(os.path.dirname(__file__), "buffers.py"))
+from jaxmem._src.frames import Frame, model_chain
+
 _TESTED = "0.10.2 and 0.12.0.1"  # the versions whose dump formats the tests read
 
 
@@ -64,11 +64,25 @@ class _Instr:
     computation: str
     opcode: str
     operands: tuple[str, ...]
+    # For each operand, the tuple element it names (``%t#2``: newer XLA reads a tuple's element
+    # without a get-tuple-element), ``()`` for the whole value.
+    elements: tuple[tuple[int, ...], ...]
     operand_text: str  # the text inside the operand parentheses ("0" for parameter(0))
     attrs: str  # everything after the operand list
     op_name: str
-    source: str  # "file:line (function)" or ""
+    frames: tuple[Frame, ...]  # its Python stack, innermost first
     is_root: bool
+
+    @property
+    def source(self) -> str:
+        """``"file:line (function)"`` of the innermost frame, ``""`` if none."""
+        return str(self.frames[0]) if self.frames else ""
+
+    @property
+    def model_chain(self) -> tuple[Frame, ...]:
+        """Its stack's model frames: the innermost one out to the user's file (of the frames that
+        belong to this trace: :func:`_this_trace`)."""
+        return model_chain(_this_trace(self.frames, self.op_name))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +90,8 @@ class _Module:
     instrs: dict[str, _Instr]
     roots: dict[str, str]  # computation -> root instruction
     callers: dict[str, str]  # called computation -> calling instruction (fusion/while/call)
+    entry: str  # the entry computation
+    users: dict[str, tuple[str, ...]]  # instruction -> the instructions reading it, in order
 
 
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\) -> .*\{$")
@@ -151,38 +167,58 @@ def _read_tables(lines: list[str], path: str) -> dict[str, dict[int, str]]:
     return tables
 
 
-def _frame_sources(tables: dict[str, dict[int, str]], path: str) -> dict[int, str]:
-    """``stack_frame_id -> "file:line (function)"`` of the frame itself (the innermost one)."""
+def _frame_chains(tables: dict[str, dict[int, str]], path: str) -> dict[int, tuple[Frame, ...]]:
+    """``stack_frame_id -> frames``, the frame itself first, then its callers out.
+
+    The dump prints each ``StackFrames`` row's parent as the parent's id plus one (0 + 1 for a
+    frame without a parent: the outermost one JAX kept, ``jax_traceback_in_locations_limit``
+    frames in), the same on the XLA of jax 0.10.2 and 0.12.
+    """
     files = {k: _unquote(v) for k, v in tables.get("FileNames", {}).items()}
     functions = {k: _unquote(v) for k, v in tables.get("FunctionNames", {}).items()}
     locations = {}
     for k, v in tables.get("FileLocations", {}).items():
         kv = dict(_KV.findall(v))
         try:
-            file_ = files[int(kv["file_name_id"])]
             fn = functions.get(int(kv.get("function_name_id", 0)), "")
-            locations[k] = f"{file_}:{int(kv['line'])}" + (f" ({fn})" if fn else "")
-            if os.path.realpath(file_) == _READER_FILE:  # read_buffers' own jit: no user frame
-                locations[k] = ""
+            locations[k] = Frame(files[int(kv["file_name_id"])], int(kv["line"]), fn)
         except (KeyError, ValueError) as e:
             raise _error(f"unknown FileLocations row {k}", path, None, v) from e
-    frames = {}
+    rows = {}
     for k, v in tables.get("StackFrames", {}).items():
         kv = dict(_KV.findall(v))
         try:
-            frames[k] = locations[int(kv["file_location_id"])]
+            rows[k] = (
+                locations[int(kv["file_location_id"])],
+                int(kv.get("parent_frame_id", 1)) - 1,
+            )
         except (KeyError, ValueError) as e:
             raise _error(f"unknown StackFrames row {k}", path, None, v) from e
-    return frames
+    chains: dict[int, tuple[Frame, ...]] = {}
+    for k in rows:
+        chain, frame = [], k
+        while frame in rows and len(chain) < len(rows):
+            location, parent = rows[frame]
+            chain.append(location)
+            frame = parent if parent != frame else 0
+        chains[k] = tuple(chain)
+    return chains
 
 
-def _source(meta: dict[str, str], frames: dict[int, str]) -> str:
+def _frames(meta: dict[str, str], chains: dict[int, tuple[Frame, ...]]) -> tuple[Frame, ...]:
+    """The stack of an instruction's metadata, innermost frame first."""
     if "stack_frame_id" in meta:
-        return frames.get(int(meta["stack_frame_id"]), "")
+        return chains.get(int(meta["stack_frame_id"]), ())
     if "source_file" in meta:  # older XLA: the innermost user frame, inline
         line = meta.get("source_line", "")
-        return f"{meta['source_file']}:{line}" if line else meta["source_file"]
-    return ""
+        return (Frame(meta["source_file"], int(line) if line.isdigit() else 0, ""),)
+    return ()
+
+
+def _source(meta: dict[str, str], chains: dict[int, tuple[Frame, ...]]) -> str:
+    """``"file:line (function)"`` of an instruction's innermost frame, ``""`` if none."""
+    frames = _frames(meta, chains)
+    return str(frames[0]) if frames else ""
 
 
 def _skip_shape(rest: str) -> str:
@@ -194,7 +230,7 @@ def _skip_shape(rest: str) -> str:
 
 
 def _read_instr(
-    line: str, computation: str, frames: dict[int, str], where: tuple[str, int]
+    line: str, computation: str, chains: dict[int, tuple[Frame, ...]], where: tuple[str, int]
 ) -> _Instr:
     """One HLO instruction line of ``computation``; ``where`` is ``(path, lineno)`` for errors."""
     m = _INSTR.match(line)
@@ -207,7 +243,9 @@ def _read_instr(
     close = _matching(rest, om.end() - 1)
     if close < 0:
         raise _error("unbalanced parentheses in an HLO instruction", *where, line)
-    operands = tuple(re.findall(r"%([\w.\-]+)", rest[om.end() : close]))
+    found = re.findall(r"%([\w.\-]+)(?:#(\d+))?", rest[om.end() : close])
+    operands = tuple(name for name, _ in found)
+    elements = tuple((int(e),) if e else () for _, e in found)
     attrs = rest[close + 1 :]
     meta = _metadata(attrs)
     return _Instr(
@@ -215,12 +253,36 @@ def _read_instr(
         computation,
         om.group(1),
         operands,
+        elements,
         rest[om.end() : close],
         attrs,
         meta.get("op_name", ""),
-        _source(meta, frames),
+        _frames(meta, chains),
         is_root,
     )
+
+
+# A jit inside the compiled function: ``jit(name)`` (``pjit(name)`` on older JAX) in the op_name.
+_INNER_JIT = re.compile(r"(?<![\w])p?jit\(([^()/]*)\)")
+
+
+def _this_trace(frames: tuple[Frame, ...], op_name: str) -> tuple[Frame, ...]:
+    """The frames of an instruction's stack that this trace of the function recorded.
+
+    JAX traces a jitted function once per signature and reuses its jaxpr, tracebacks included:
+    the frames of an instruction inside an inner ``jit(name)`` (``lax.dynamic_index_in_dim``,
+    a user's jitted block) that lie outside ``name`` are those of the call that traced it
+    first, maybe another model's. Kept: the frames up to ``name``'s own; none where no frame
+    is ``name``'s (a library's jitted helper, whose own frames JAX filtered out).
+    """
+    names = _INNER_JIT.findall(op_name)[1:]  # the first is the compiled function itself
+    if not names:
+        return frames
+    inner = names[-1]
+    for i, frame in enumerate(frames):
+        if frame.function.rsplit(".", 1)[-1] == inner:
+            return frames[: i + 1]
+    return ()
 
 
 def _called(attrs: str) -> list[str]:
@@ -235,31 +297,35 @@ def _called(attrs: str) -> list[str]:
 def _read_module(path: str) -> _Module:
     """The HLO module dumped at ``path``: its instructions, roots and callers."""
     lines = _read_lines(path)
-    frames = _frame_sources(_read_tables(lines, path), path)
+    chains = _frame_chains(_read_tables(lines, path), path)
     instrs: dict[str, _Instr] = {}
     roots: dict[str, str] = {}
     callers: dict[str, str] = {}
-    computation = None
+    users: dict[str, list[str]] = {}
+    computation = entry = None
     for lineno, line in enumerate(lines, 1):
         if computation is None:
             m = _COMPUTATION.match(line)
             if m is not None:
                 computation = m.group(1)
+                entry = computation if line.startswith("ENTRY ") else entry
             continue
         if line.startswith("}"):
             computation = None
             continue
         if not line.strip():
             continue
-        instr = _read_instr(line, computation, frames, (path, lineno))
+        instr = _read_instr(line, computation, chains, (path, lineno))
         instrs[instr.name] = instr
+        for operand in instr.operands:
+            users.setdefault(operand, []).append(instr.name)
         if instr.is_root:
             roots[computation] = instr.name
         for called in _called(instr.attrs):
             callers.setdefault(called, instr.name)
     if not instrs:
         raise _error("no HLO computation found", path)
-    return _Module(instrs, roots, callers)
+    return _Module(instrs, roots, callers, entry or "", {k: tuple(v) for k, v in users.items()})
 
 
 # Opcodes that only move or wrap data: their metadata (if any) says less than their operand's.
@@ -271,10 +337,15 @@ _PASS_THROUGH = {"tuple", "get-tuple-element", "parameter", "while", "dynamic-up
 _Next = tuple[str, tuple[int, ...]]
 
 
+def _operand(instr: _Instr, i: int, index: tuple[int, ...]) -> _Next:
+    """Operand ``i`` of ``instr``, element ``index`` of it (past the element the operand names)."""
+    return instr.operands[i], instr.elements[i] + index
+
+
 def _into_tuple(module: _Module, instr: _Instr, index: tuple[int, ...]) -> _Next | None:
     """Element ``index[0]`` of a tuple: the operand that fills it."""
     if index and index[0] < len(instr.operands):
-        return instr.operands[index[0]], index[1:]
+        return _operand(instr, index[0], index[1:])
     return None
 
 
@@ -283,7 +354,7 @@ def _out_of_tuple(module: _Module, instr: _Instr, index: tuple[int, ...]) -> _Ne
     m = re.search(r"\bindex=(\d+)", instr.attrs)
     if not instr.operands or m is None:
         return None
-    return instr.operands[0], (int(m.group(1)), *index)
+    return _operand(instr, 0, (int(m.group(1)), *index))
 
 
 def _into_loop(module: _Module, instr: _Instr, index: tuple[int, ...]) -> _Next | None:
@@ -302,7 +373,7 @@ def _out_of_parameter(module: _Module, instr: _Instr, index: tuple[int, ...]) ->
     if caller is not None and caller.opcode in ("fusion", "call"):
         num = instr.operand_text.strip()
         if num.isdigit() and int(num) < len(caller.operands):
-            return caller.operands[int(num)], index
+            return _operand(caller, int(num), index)
     return None
 
 
@@ -316,12 +387,12 @@ def _into_fusion(module: _Module, instr: _Instr, index: tuple[int, ...]) -> _Nex
 
 def _update(module: _Module, instr: _Instr, index: tuple[int, ...]) -> _Next | None:
     """A dynamic-update-slice: the update written into the buffer."""
-    return (instr.operands[1], index) if len(instr.operands) > 1 else None
+    return _operand(instr, 1, index) if len(instr.operands) > 1 else None
 
 
 def _copied(module: _Module, instr: _Instr, index: tuple[int, ...]) -> _Next | None:
     """A copy or bitcast (without a source location): its operand."""
-    return (instr.operands[0], index) if instr.operands else None
+    return _operand(instr, 0, index) if instr.operands else None
 
 
 _ORIGIN_STEPS = {
