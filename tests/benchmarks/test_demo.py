@@ -1,5 +1,6 @@
 """Tests of ``python -m jaxmem demo`` (:mod:`jaxmem.demo`) and the GPT model it profiles."""
 
+import dataclasses
 import functools
 import pathlib
 import re
@@ -22,7 +23,7 @@ TINY += ["--seq", "16", "--batch", "2"]
 
 def test_demo_prints_every_configuration_and_writes_a_png(tmp_path, capsys):
     out = tmp_path / "memory.png"
-    assert cli.main(["demo", *TINY, "--output", str(out)]) == 0
+    assert cli.main(["demo", *TINY, "--no-time", "--output", str(out)]) == 0
     printed = capsys.readouterr().out
     for label in demo.configurations():
         assert label in printed
@@ -32,28 +33,104 @@ def test_demo_prints_every_configuration_and_writes_a_png(tmp_path, capsys):
         assert re.search(r"\w+\.py:\d+ \(\S+\)", peak), peak  # file:line (function)
     assert "temp" in printed and "residual" in printed
     assert "(backward)" in printed  # the loss's backward pass holds part of some peak
-    assert "step time" not in printed  # only with --time
+    assert "step time" not in printed  # not with --no-time
+    (last,) = [line for line in printed.splitlines() if line.startswith("conclusion: ")]
+    assert last.startswith("conclusion: jaxmem.scan, code unchanged: ") and " at " not in last
     width, height = _png_size(out)
     n = len(demo.configurations())
     assert (width, height) == tuple(round(100 * s) for s in plots.figure_size(n, timed=False))
     assert width <= 1800 and height <= 100 * (2 + 0.45 * n)
 
 
-def test_demo_time_adds_step_times_and_a_second_panel(tmp_path, capsys, monkeypatch):
-    # Two configurations keep the timed run (compiled with full optimization) quick.
-    configs = dict(list(demo.configurations().items())[:2])
+def test_demo_times_by_default_and_concludes_from_its_table(tmp_path, capsys, monkeypatch):
+    # Three configurations and one timed round keep the timed run (full optimization) quick.
+    every = demo.configurations()
+    configs = {k: every[k] for k in ("no remat", "checkpoint dots_saveable", "jaxmem.scan")}
     monkeypatch.setattr(demo, "configurations", lambda: configs)
-    monkeypatch.setattr(demo, "TIME_REPEATS", 2)
     out = tmp_path / "timed.png"
-    assert demo.main([*TINY, "--time", "--output", str(out)]) == 0
+    assert demo.main([*TINY, "--repeats", "1", "--output", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "step time (median of" in printed
+    assert "step time = median of 1 runs" in printed
     lines = printed.splitlines()
-    for label in configs:
-        assert any(line.startswith(f"  {label}: ") and " ms (x" in line for line in lines)
+    header = lines.index("ratios (x) to 'no remat'") + 2
+    assert lines[header].split() == ["configuration", "temp", "peak", "residual", "step", "time"]
+    rows = {}
+    for line in lines[header + 2 : header + 5]:
+        label, cells = re.match(r"(\S.*?)\s{2,}(\d.*)", line).groups()
+        rows[label] = re.findall(r"\(x(\d+\.\d\d)\)", cells)
+        assert re.search(r" ms \(x\d+\.\d\d\)$", line), line
+    assert list(rows) == list(configs) and rows["no remat"] == ["1.00"] * 4
+    assert (
+        lines[header + 5].startswith("argument ") and "in every configuration" in lines[header + 5]
+    )
+    # The conclusion quotes the table's ratios: temp (column 1) and step time (column 4).
+    temp, _, _, time_ = rows["jaxmem.scan"]
+    dots_temp, _, _, dots_time = rows["checkpoint dots_saveable"]
+    (last,) = [line for line in lines if line.startswith("conclusion: ")]
+    want = (
+        f"conclusion: jaxmem.scan, code unchanged: {temp}x no remat's temp at {time_}x its step "
+        f"time; checkpoint dots_saveable {dots_temp}x at {dots_time}x"
+    )
+    assert last.startswith(want)
     width, height = _png_size(out)
-    assert (width, height) == tuple(round(100 * s) for s in plots.figure_size(2, timed=True))
+    assert (width, height) == tuple(round(100 * s) for s in plots.figure_size(3, timed=True))
     assert width <= 1800
+
+
+def test_conclusion_states_the_measured_ratios():
+    ratios = {
+        "no remat": (1.0, 1.0),
+        "checkpoint nothing": (0.28, 1.06),
+        "checkpoint dots": (0.51, 0.84),
+        "jaxmem.scan": (0.5123, 0.866),
+        "jaxmem.scan + selective": (0.47, 0.87),
+        "jaxmem.scan + linear CE": (0.34, 0.95),
+    }
+    stock, lean = ["checkpoint nothing", "checkpoint dots"], list(ratios)[3:]
+    assert demo.conclusion(ratios, "no remat", "jaxmem.scan", stock, lean) == (
+        "conclusion: jaxmem.scan, code unchanged: 0.51x no remat's temp at 0.87x its step time; "
+        "checkpoint nothing 0.28x at 1.06x; checkpoint dots 0.51x at 0.84x"
+    )  # nothing jaxmem runs beats either policy: none is as lean and faster
+    ratios["jaxmem.scan + selective"] = (0.47, 0.80)
+    ratios["jaxmem.scan + linear CE"] = (0.25, 1.0)
+    assert demo.conclusion(ratios, "no remat", "jaxmem.scan", stock, lean) == (
+        "conclusion: jaxmem.scan, code unchanged: 0.51x no remat's temp at 0.87x its step time; "
+        "checkpoint nothing 0.28x at 1.06x; checkpoint dots 0.51x at 0.84x; "
+        "jaxmem.scan + linear CE beats checkpoint nothing: 0.25x temp at 1.00x time; "
+        "jaxmem.scan + selective beats checkpoint dots: 0.47x temp at 0.80x time"
+    )
+    untimed = {k: (t, None) for k, (t, _) in ratios.items()}
+    assert demo.conclusion(untimed, "no remat", None, stock, lean) == (
+        "conclusion: checkpoint nothing 0.28x; checkpoint dots 0.51x"
+    )
+
+
+def test_configurations_are_told_apart_as_stock_or_jaxmem():
+    configs = demo.configurations()
+    stock = [k for k, c in configs.items() if demo._is_stock(c)]
+    assert stock == ["no remat", "checkpoint nothing_saveable", "checkpoint dots_saveable"]
+
+
+def test_table_rows_and_ratios():
+    base = jaxmem.profile(lambda x: jnp.sum(jnp.sin(x)), jax.ShapeDtypeStruct((8,), jnp.float32))
+    mib = 2**20
+
+    def report(temp, peak, residual):
+        saved = (jaxmem.Residual((residual,), "uint8", residual, "other", "", "", ""),)
+        return dataclasses.replace(base, temp_bytes=temp, peak_bytes=peak, residuals=saved)
+
+    comparison = jaxmem.Comparison(
+        {"stock": report(4 * mib, 8 * mib, 2 * mib), "lean": report(mib, 6 * mib, mib // 2)}
+    )
+    assert demo.table(comparison, {"stock": 0.2, "lean": 0.25}).splitlines() == [
+        "configuration              temp              peak          residual         step time",
+        "-------------  ----------------  ----------------  ----------------  ----------------",
+        "stock          4.00 MiB (x1.00)  8.00 MiB (x1.00)  2.00 MiB (x1.00)  200.0 ms (x1.00)",
+        "lean           1.00 MiB (x0.25)  6.00 MiB (x0.75)  0.50 MiB (x0.25)  250.0 ms (x1.25)",
+        "argument 0.00 MiB, output 0.00 MiB in every configuration",
+    ]
+    untimed = demo.table(comparison).splitlines()
+    assert untimed[0].split() == ["configuration", "temp", "peak", "residual"]
 
 
 def test_demo_figure_splits_temp_into_saved_residuals_and_other_temp():

@@ -12,8 +12,10 @@ table with ratios to the first configuration (sizes in binary units, as
 :func:`jaxmem.profile` prints them), then each configuration's peak and the three source lines
 that hold the most of it (from XLA's buffer assignment), and saves a figure
 (:mod:`jaxmem.demo.plots`): temp per configuration split into saved residuals and other temp.
-With ``--time`` it also runs each configuration's gradient (same process, interleaved, median of
-:data:`TIME_REPEATS`) and adds memory against step time.
+It also runs each configuration's gradient (same process, interleaved, median of
+:data:`TIME_REPEATS` or ``--repeats``), so the table has a step-time column and the figure a
+panel of memory against step time, and it ends on one line of what jaxmem wins, computed from
+the measured figures (:func:`conclusion`). ``--no-time`` compiles from shapes alone.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import functools
 import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -40,15 +42,16 @@ DESCRIPTION = (
     "Memory of a small GPT's training-step gradient (jax.grad of next-token cross-entropy) with "
     "its layer stack run by jax.lax.scan with no remat, with jax.checkpoint under the "
     "nothing_saveable and dots_saveable policies, and by jaxmem.scan where available. Prints "
-    "the compiled temp bytes of jax.jit(jax.grad(loss)) and the bytes of the residuals the "
-    "gradient saves, with ratios to the first configuration, then each configuration's peak and "
-    "its top three contributors by source line, and saves a figure (temp per configuration, "
-    "split into saved residuals and other temp). Everything is compiled from shapes alone "
-    "(nothing is run) unless --time is given."
+    "the compiled temp bytes of jax.jit(jax.grad(loss)), its peak, the bytes of the residuals "
+    "the gradient saves and its step time, with ratios to the first configuration, then each "
+    "configuration's peak and its top three contributors by source line, one line of what "
+    "jaxmem wins, and saves a figure (temp per configuration, split into saved residuals and "
+    "other temp; temp against step time). With --no-time everything is compiled from shapes "
+    "alone (nothing is run)."
 )
 
-TIME_REPEATS = 5
-"""Timed runs per configuration with ``--time`` (the median is reported)."""
+TIME_REPEATS = 3
+"""Timed runs per configuration (the median is reported); ``--repeats`` changes it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,12 +139,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--time",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help=(
-            "also run each configuration's gradient on random data and report its step time "
-            f"(same process, runs interleaved, median of {TIME_REPEATS}; compiled with full "
-            "optimization), adding memory against step time to the figure"
+            "run each configuration's gradient on random data and report its step time (same "
+            "process, runs interleaved, the median of --repeats; compiled with full "
+            "optimization), adding memory against step time to the figure; --no-time compiles "
+            "from shapes alone, nothing run (default: time)"
         ),
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=TIME_REPEATS,
+        metavar="N",
+        help="timed runs of each configuration, after one untimed (default: %(default)s)",
     )
     parser.add_argument(
         "--full-optimization",
@@ -173,6 +185,8 @@ def check_args(args: argparse.Namespace) -> None:
     config_from_args(args)
     if args.batch < 1:
         raise ValueError(f"--batch must be a positive int, got {args.batch}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be a positive int, got {args.repeats}")
 
 
 # Nothing is run, only compiled for its memory analysis; buffer assignment happens before LLVM,
@@ -226,14 +240,135 @@ def _param_count(config: models.GPTConfig) -> int:
     return sum(math.prod(p.shape) for p in jax.tree.leaves(models.abstract_params(config)))
 
 
-def _summary(comparison: jaxmem.Comparison) -> str:
-    base = comparison.baseline
-    lines = [f"summary (ratios to {base!r}):"]
-    for label in list(comparison.reports)[1:]:
-        temp = comparison.ratio(label, "temp_bytes")
-        res = comparison.ratio(label, "residual_bytes")
-        lines.append(f"  {label}: temp x{temp:.2f}, residual x{res:.2f}")
+MIB = 2**20
+TABLE_FIELDS = {"temp": "temp_bytes", "peak": "peak_bytes", "residual": "residual_bytes"}
+SAME_FIELDS = {"argument": "argument_bytes", "output": "output_bytes"}
+
+
+def _cell(value: float | None, base: float | None, unit: str) -> str:
+    if value is None:
+        return "n/a"
+    shown = f"{value / MIB:.2f} MiB" if unit == "bytes" else f"{value * 1e3:.1f} ms"
+    return f"{shown} (x{value / base:.2f})" if base else shown
+
+
+def table(comparison: jaxmem.Comparison, times: Mapping[str, float] | None = None) -> str:
+    """The demo's table: each configuration's temp, peak and saved residual bytes and, where
+    timed, its step time, each with its ratio to the baseline (the first configuration).
+
+    The argument and output bytes, the same in every configuration (the parameters and their
+    gradient), are one line under the table; where they differ they are columns.
+    """
+    base = comparison.reports[comparison.baseline]
+    reports = comparison.reports.values()
+    same = {k: f for k, f in SAME_FIELDS.items() if len({getattr(r, f) for r in reports}) == 1}
+    fields = TABLE_FIELDS | {k: f for k, f in SAME_FIELDS.items() if k not in same}
+    header = ["configuration", *fields, *(["step time"] if times else [])]
+    rows = []
+    for label, report in comparison.reports.items():
+        row = [label]
+        row += [_cell(getattr(report, f), getattr(base, f), "bytes") for f in fields.values()]
+        if times:
+            row.append(_cell(times[label], times[comparison.baseline], "seconds"))
+        rows.append(row)
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        pairs = enumerate(zip(cells, widths, strict=True))
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in pairs)
+
+    lines = [line(r) for r in [header, ["-" * w for w in widths], *rows]]
+    if same:
+        figures = ", ".join(f"{k} {getattr(base, f) / MIB:.2f} MiB" for k, f in same.items())
+        lines.append(f"{figures} in every configuration")
     return "\n".join(lines)
+
+
+def _peaks(comparison: jaxmem.Comparison) -> str:
+    lines = ["Peak and its top three contributors:"]
+    lines += [f"  {label}: {r.peak_summary()}" for label, r in comparison.reports.items()]
+    return "\n".join(lines)
+
+
+def conclusion(
+    ratios: Mapping[str, tuple[float, float | None]],
+    baseline: str,
+    drop_in: str | None,
+    stock: Sequence[str],
+    lean: Sequence[str],
+) -> str:
+    """One line of what jaxmem wins, from the measured ratios to the baseline.
+
+    Args:
+      ratios: label -> (temp ratio, step-time ratio or None where not timed).
+      baseline: the label the ratios are to.
+      drop_in: the label of ``jaxmem.scan`` as a drop-in (no policy), or None.
+      stock: the labels of stock JAX's remat (``jax.checkpoint`` with its own policies).
+      lean: the labels that use jaxmem (its scan, its policies or its loss).
+
+    Returns:
+      ``"conclusion: ..."``: the drop-in's temp and time against the baseline's, stock's
+      policies' the same way, and for each stock policy the leanest jaxmem configuration that
+      needs no more temp and runs faster, where one does.
+
+    Examples:
+      >>> ratios = {"no remat": (1.0, 1.0), "checkpoint dots": (0.51, 0.84),
+      ...           "jaxmem.scan": (0.51, 0.66), "jaxmem.scan + x": (0.47, 0.67)}
+      >>> print(conclusion(ratios, "no remat", "jaxmem.scan", ["checkpoint dots"],
+      ...                  ["jaxmem.scan", "jaxmem.scan + x"]))
+      conclusion: jaxmem.scan, code unchanged: 0.51x no remat's temp at 0.66x its step time; \
+checkpoint dots 0.51x at 0.84x; jaxmem.scan + x beats checkpoint dots: 0.47x temp at 0.67x time
+    """
+
+    def figures(label: str) -> str:
+        temp, time_ = ratios[label]
+        return f"{temp:.2f}x" + ("" if time_ is None else f" at {time_:.2f}x")
+
+    parts = []
+    if drop_in is not None:
+        temp, time_ = ratios[drop_in]
+        at = "" if time_ is None else f" at {time_:.2f}x its step time"
+        parts.append(f"{drop_in}, code unchanged: {temp:.2f}x {baseline}'s temp{at}")
+    parts += [f"{label} {figures(label)}" for label in stock]
+    for label in stock:
+        temp, time_ = ratios[label]
+        if time_ is None:
+            continue
+        wins = [j for j in lean if ratios[j][0] <= temp and ratios[j][1] < time_]
+        if wins:
+            j = min(wins, key=lambda k: ratios[k])
+            parts.append(f"{j} beats {label}: {ratios[j][0]:.2f}x temp at {ratios[j][1]:.2f}x time")
+    return "conclusion: " + "; ".join(parts)
+
+
+def _is_stock(c: Configuration) -> bool:
+    """Stock JAX: ``lax.scan``, no remat or one of ``jax.checkpoint_policies``, optax's loss."""
+    own = vars(jax.checkpoint_policies).values()
+    policy_is_stock = c.policy is None or any(c.policy is p for p in own)
+    return c.scan_impl is jax.lax.scan and policy_is_stock and not c.linear_ce
+
+
+def _conclusion(
+    comparison: jaxmem.Comparison,
+    times: Mapping[str, float] | None,
+    configs: Mapping[str, Configuration],
+) -> str:
+    """:func:`conclusion` of the measured figures (ratios to the baseline)."""
+    base = comparison.baseline
+    ratios = {
+        label: (
+            comparison.ratio(label, "temp_bytes"),
+            None if times is None else times[label] / times[base],
+        )
+        for label in comparison.reports
+    }
+    lean_scan = getattr(jaxmem, "scan", None)
+    drop_in = next(
+        (k for k, c in configs.items() if c == Configuration(lean_scan) and k != base), None
+    )
+    stock = [k for k, c in configs.items() if _is_stock(c) and c.policy is not None]
+    lean = [k for k, c in configs.items() if not _is_stock(c)]
+    return conclusion(ratios, base, drop_in, stock, lean)
 
 
 def _random_inputs(config: models.GPTConfig, batch_size: int) -> tuple[Any, jax.Array]:
@@ -252,12 +387,17 @@ def time_steps(
     batch_size: int,
     configs: dict[str, Configuration],
     repeats: int = TIME_REPEATS,
+    settle: int = 1,
 ) -> dict[str, float]:
     """Median step time in seconds of each configuration's ``jax.jit(jax.grad(loss))``.
 
-    Same process and inputs (random parameters and tokens); each gradient is compiled with full
-    optimization and run once to warm up, then the timed runs are interleaved (A B C A B C ...),
-    each waited for with :func:`jax.block_until_ready`.
+    Measured as the benchmarks measure (docs/design.md §3, ``benchmarks.harness``'s
+    ``time_interleaved``; the demo has its own copy, as the installed package has no
+    ``benchmarks``): same process and inputs (random parameters and tokens); each gradient is
+    compiled with full optimization and run once to warm up, then ``repeats`` interleaved rounds
+    (A B C, A B C, ...) in which each runs ``settle`` times untimed and once timed, so that a
+    timed run follows a run of its own and not another's tail, each waited for with
+    :func:`jax.block_until_ready`.
     """
     params, tokens = _random_inputs(config, batch_size)
     steps = {label: jax.jit(jax.grad(_loss(config, c))) for label, c in configs.items()}
@@ -266,6 +406,8 @@ def time_steps(
     samples: dict[str, list[float]] = {label: [] for label in steps}
     for _ in range(repeats):
         for label, step in steps.items():
+            for _ in range(settle):
+                jax.block_until_ready(step(params, tokens))
             start = time.perf_counter()
             jax.block_until_ready(step(params, tokens))
             samples[label].append(time.perf_counter() - start)
@@ -298,16 +440,16 @@ def run(args: argparse.Namespace) -> int:
         )
     print()
     comparison = measure(config, args.batch, configs, fast_compile=not args.full_optimization)
-    print(comparison)
-    if len(comparison.reports) > 1:
-        print(_summary(comparison))
-    times = None
-    if args.time:
-        times = time_steps(config, args.batch, configs, TIME_REPEATS)
-        base = times[comparison.baseline]
-        print(f"\nstep time (median of {TIME_REPEATS}, interleaved, same process):")
-        for label, t in times.items():
-            print(f"  {label}: {t * 1e3:.1f} ms (x{t / base:.2f})")
+    times = time_steps(config, args.batch, configs, args.repeats) if args.time else None
+    if times:
+        print(
+            f"step time = median of {args.repeats} runs of jax.jit(jax.grad(loss)), compiled "
+            "with full optimization, interleaved in one process"
+        )
+    print(f"ratios (x) to {comparison.baseline!r}\n")
+    print(table(comparison, times))
+    print(_peaks(comparison))
+    print(_conclusion(comparison, times, configs))
     path = plots.plot(comparison, args.output, times)
     print(f"\nwrote {path} ({time.perf_counter() - start:.1f} s)")
     return 0
