@@ -41,6 +41,7 @@ import jax
 import numpy as np
 
 from jaxmem._src import jax_compat
+from jaxmem._src.frames import in_a_package
 from jaxmem._src.profile.attribution import attribute
 from jaxmem._src.profile.xla_dump import (
     BufferDumpError,
@@ -260,11 +261,18 @@ class BufferReport:
         """One buffer per slice live at program point ``point``, largest first."""
         return _holders(self.buffers, point)
 
-    def by_source(self) -> tuple[BufferGroup, ...]:
-        """Peak buffers grouped by source line, largest group first.
+    def by_source(self, fold: str = "line") -> tuple[BufferGroup, ...]:
+        """Peak buffers grouped by what they are attributed to, largest group first.
 
-        The buffers of one line make a forward and a backward group when both passes keep
+        The buffers of one group make a forward and a backward group when both passes keep
         some (``backward``: their ``op_name`` has ``transpose(``).
+
+        Args:
+            fold: ``"line"``: the model's line that made them (else the argument's pytree
+                path); ``"call"``: the line in the user's own files that led there (a
+                framework layer's lines fold into the user's line that calls the layer);
+                ``"function"``: that line's function (a layer's lines fold together; arguments
+                by their path's first two keys, ``params['layers']``).
 
         Examples:
             >>> import jax.numpy as jnp
@@ -272,7 +280,9 @@ class BufferReport:
             >>> sum(g.bytes for g in report.by_source()) == report.peak_bytes
             True
         """
-        return _groups(self.peak_buffers, _source_key)
+        if fold not in FOLDS:
+            raise ValueError(f"by_source: fold={fold!r}; expected one of {FOLDS}")
+        return _groups(self.peak_buffers, lambda b: _source_key(b, fold))
 
     def by_op_name(self, depth: int = 3) -> tuple[BufferGroup, ...]:
         """Peak buffers grouped by the first ``depth`` components of their ``op_name``.
@@ -308,10 +318,30 @@ class BufferReport:
         return "\n".join(lines)
 
 
-def _source_key(b: Buffer) -> str:
+# How finely BufferReport.by_source groups, finest first.
+FOLDS = ("line", "call", "function")
+
+
+def _source_key(b: Buffer, fold: str = "line") -> str:
     """A buffer's group in :meth:`BufferReport.by_source`: what it is attributed to (the model's
-    line, else the argument's pytree path); anything else by kind (``"temp: no source"``)."""
+    line, else the argument's pytree path), folded as ``fold`` says; anything else by kind
+    (``"temp: no source"``)."""
+    if b.source and fold != "line":
+        user = next((c for c in b.chain if not in_a_package(c.split(":", 1)[0])), b.source)
+        if fold == "call":
+            return user
+        file, _, rest = user.partition(":")
+        function = rest.partition(" ")[2]
+        return f"{file} {function}" if function else file
+    if b.argument and not b.source and fold == "function":
+        return _path_prefix(b.argument, 2)
     return b.attribution or f"{b.kind}: no source"
+
+
+def _path_prefix(path: str, keys: int) -> str:
+    """The first ``keys`` components of a pytree path: ``a['b']['c'].d`` -> ``a['b']``."""
+    parts = re.findall(r"\[[^\]]*\]|\.\w+|^[^\[.]+", path)
+    return "".join(parts[:keys]) if parts else path
 
 
 def _op_name_parts(op_name: str) -> list[str]:

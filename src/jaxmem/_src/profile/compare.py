@@ -16,6 +16,7 @@ from jaxmem._src import format as _fmt
 from jaxmem._src import plots as _plots
 from jaxmem._src.format import format_bytes
 from jaxmem._src.profile import html as _html
+from jaxmem._src.profile.diff import PeakDiff, peak_diff
 from jaxmem._src.profile.report import _MEMORY_FIELDS, MemoryReport, _check_args, _profile
 
 __all__ = ["Comparison", "compare"]
@@ -111,6 +112,52 @@ class Comparison:
         if base == 0:
             return math.inf if value > 0 else math.nan
         return value / base
+
+    def diff(self, a: str | None = None, b: str | None = None) -> PeakDiff:
+        """What is live at the peaks of ``a`` and ``b``, source by source.
+
+        Rows of (source, bytes at ``a``'s peak, bytes at ``b``'s peak) grouped as
+        :meth:`MemoryReport.top_contributors` groups (the model's line, else the argument's
+        pytree path); each side's rows add up to its peak-live bytes.
+
+        Args:
+            a: a label; default the baseline.
+            b: a label; default the one other label (required with three reports or more).
+
+        Returns:
+            A :class:`~jaxmem._src.profile.diff.PeakDiff` (``.rows``, ``.added``, ``.freed``,
+            ``.common``; ``print`` it for a table).
+
+        Raises:
+            KeyError: an unknown label.
+            ValueError: ``b`` not given with three reports or more, or only one report.
+            ProfileError: a report has no buffer-level view (``buffer_error`` says why).
+
+        Examples:
+            >>> import jax, jax.numpy as jnp
+            >>> import jaxmem
+            >>> def loss(x):
+            ...     return jnp.sum(jnp.sin(jnp.sin(x)))
+            >>> cmp = jaxmem.compare({"stock": loss, "remat": jax.checkpoint(loss)}, jnp.ones(64))
+            >>> d = cmp.diff()
+            >>> sum(r.b_bytes for r in d.rows) == cmp.reports["remat"].buffers.peak_bytes
+            True
+        """
+        labels = list(self.reports)
+        a = self.baseline if a is None else a
+        if b is None:
+            others = [label for label in labels if label != a]
+            if len(others) != 1:
+                raise ValueError(
+                    f"Comparison.diff: name b, one of {others}"
+                    if others
+                    else "Comparison.diff: needs two reports; this comparison has one"
+                )
+            b = others[0]
+        for label in (a, b):
+            if label not in self.reports:
+                raise KeyError(f"Comparison.diff: no report labelled {label!r}; labels: {labels}")
+        return peak_diff(a, b, self.reports[a]._buffer_report(), self.reports[b]._buffer_report())
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able dict: ``baseline``, ``reports`` (each :meth:`MemoryReport.to_dict`) and

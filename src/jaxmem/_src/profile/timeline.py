@@ -13,11 +13,12 @@ Slices that no top group holds at the peak make the last band, "other".
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 
 from jaxmem._src.listing import short_source
-from jaxmem._src.profile.buffers import Buffer, BufferGroup, BufferReport
+from jaxmem._src.profile.buffers import FOLDS, Buffer, BufferGroup, BufferReport
 
 __all__ = ["StackedTimeline", "group_label", "stack_by_source"]
 
@@ -31,10 +32,11 @@ def group_label(g: BufferGroup) -> str:
     Examples:
         >>> group_label(BufferGroup("/src/model.py:12 (mlp)", 64, 1, True, ("add.1",)))
         'model.py:12 (mlp) (backward)'
-        >>> group_label(BufferGroup("argument x", 64, 1, False, ("p.0",)))
-        'argument x'
+        >>> group_label(BufferGroup("params['w']", 64, 1, False, ("p.0",)))
+        "params['w']"
     """
-    key = short_source(g.key) if ":" in g.key and "(" in g.key else g.key
+    path = g.key.split(" (", 1)[0].rsplit(":", 1)[0]
+    key = short_source(g.key) if os.path.isabs(path) else g.key
     return f"{key}{' (backward)' if g.backward else ''}"
 
 
@@ -49,6 +51,7 @@ class StackedTimeline:
         layers: ``[bands, points]`` int64 live bytes; the bands add up to the timeline.
         band_of_slice: ``(allocation, offset)`` -> band, for the slices the top groups hold at
             the peak; every other slice is in the last band.
+        fold: how finely the groups were made (:meth:`BufferReport.by_source`).
 
     Examples:
         >>> import jax.numpy as jnp
@@ -65,6 +68,7 @@ class StackedTimeline:
     labels: tuple[str, ...]
     layers: np.ndarray
     band_of_slice: dict[tuple[int, int], int]
+    fold: str = "line"
 
     def band_of(self, buffer: Buffer) -> int:
         """The band of ``buffer``: that of its slice of memory.
@@ -80,12 +84,18 @@ class StackedTimeline:
         return self.band_of_slice.get((buffer.allocation, buffer.offset), len(self.groups))
 
 
-def stack_by_source(report: BufferReport, n_groups: int) -> StackedTimeline:
-    """Splits the live-bytes timeline of ``report`` into bands by source line.
+def stack_by_source(
+    report: BufferReport, n_groups: int, fold: str | None = None, other_below: float = 0.1
+) -> StackedTimeline:
+    """Splits the live-bytes timeline of ``report`` into bands by source.
 
     Args:
         report: a buffer assignment, read back.
-        n_groups: how many of the largest source groups at the peak get a band of their own.
+        n_groups: how many of the largest groups at the peak get a band of their own.
+        fold: how finely to group (:meth:`BufferReport.by_source`: ``"line"``, ``"call"``,
+            ``"function"``); by default the finest whose "other" band holds less than
+            ``other_below`` of the peak (the coarsest where none does).
+        other_below: the share of the peak the "other" band should stay below.
 
     Returns:
         A :class:`StackedTimeline`.
@@ -98,7 +108,9 @@ def stack_by_source(report: BufferReport, n_groups: int) -> StackedTimeline:
         >>> int(stacked.layers[:, report.peak_index].sum()) == report.peak_bytes
         True
     """
-    top = tuple(sorted(report.by_source(), key=lambda g: -g.bytes)[:n_groups])
+    if fold is None:
+        fold = next((f for f in FOLDS if _other(report, n_groups, f) < other_below), FOLDS[-1])
+    top = tuple(sorted(report.by_source(fold), key=lambda g: -g.bytes)[:n_groups])
     held = {b.name: i for i, g in enumerate(top) for b in report.peak_buffers if b.name in g.names}
     band_of_slice = {
         (b.allocation, b.offset): held[b.name] for b in report.peak_buffers if b.name in held
@@ -115,4 +127,10 @@ def stack_by_source(report: BufferReport, n_groups: int) -> StackedTimeline:
     for key, live in slices.items():
         layers[band_of_slice.get(key, len(top))] += live
     labels = tuple(group_label(g) for g in top) + (OTHER,)
-    return StackedTimeline(top, labels, layers, band_of_slice)
+    return StackedTimeline(top, labels, layers, band_of_slice, fold)
+
+
+def _other(report: BufferReport, n_groups: int, fold: str) -> float:
+    """The share of the peak outside the ``n_groups`` largest groups at ``fold``."""
+    groups = sorted((g.bytes for g in report.by_source(fold)), reverse=True)
+    return sum(groups[n_groups:]) / max(report.peak_bytes, 1)
