@@ -3,6 +3,7 @@
 import collections
 import dataclasses
 import inspect
+import io
 import json
 import math
 import re
@@ -274,6 +275,25 @@ def test_memory_rows_hide_host_fields_only_when_all_zero(mlp_report):
     assert fields(offloaded) == fields(offloaded, markdown=True) == every
     assert note not in str(offloaded) and note not in offloaded.to_markdown()
     assert re.search(r"host_output_bytes\s+4,096\s+4.00 KiB", str(offloaded))
+
+
+def test_plot_bars_hide_zero_host_rows(monkeypatch, mlp_report):
+    from jaxmem._src import plots
+
+    drawn, draw = [], plots.bytes_bars
+
+    def capture(labels, values, colors, title, feature):
+        drawn.append(dict(zip(labels, values, strict=True)))
+        return draw(labels, values, colors, title, feature)
+
+    monkeypatch.setattr(plots, "bytes_bars", capture)
+    mlp_report.plot(io.BytesIO())
+    dataclasses.replace(mlp_report, host_temp_bytes=512).plot(io.BytesIO())
+    stock, offloaded = drawn
+    # Zero host, alias and generated-code bars are left out; a non-zero host bar shows.
+    assert [k for k in stock if not k.startswith("residual")] == ["temp", "argument", "output"]
+    assert offloaded["host temp"] == 512 and "host output" not in offloaded
+    assert stock["residual: other"] == MLP_RESIDUAL_BYTES - 168
 
 
 def _many_residuals(*xs):
