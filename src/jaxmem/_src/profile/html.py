@@ -7,12 +7,15 @@ drawing inline SVG, ``assets/viewer.js``; ``assets/boot.js`` shows the viewer's 
 and a Content-Security-Policy forbids any other source, so it opens offline, from a file or an
 attachment.
 
-It shows the live bytes of device memory over the compiled program stacked by source line (the
-bands of :meth:`jaxmem.MemoryReport.plot_timeline`), the peak, the live ranges of the largest
-buffers live at the peak, the top contributors and every buffer in a table; hovering a band or a
-bar shows what is live there, clicking one (or a table row) opens the buffer's details. The
-address ``page.html#buffer=NAME`` opens buffer ``NAME``'s details on load
-(``#report=LABEL&buffer=NAME`` picks the report of a comparison).
+It shows the live bytes of device memory over the compiled program stacked by source (the
+bands of :meth:`jaxmem.MemoryReport.plot_timeline`, at the fold the legend names), the peak, the
+live ranges of the largest buffers live at the peak, the top contributors and every buffer in a
+table; hovering a band or a bar shows what is live there, clicking one (or a table row) opens
+the buffer's details, its call chain among them. A comparison adds what each peak holds, source
+by source (:meth:`jaxmem.Comparison.diff` of the baseline and each other report). A buffer is
+named everywhere by :func:`buffer_label`, what it is attributed to as the legend spells it; XLA's
+name of the value is secondary. The address ``page.html#buffer=NAME`` opens buffer ``NAME``'s
+(XLA's name) details on load (``#report=LABEL&buffer=NAME`` picks the report of a comparison).
 
 The view data is built here from a report, read through its public attributes (this module is
 below :mod:`jaxmem._src.profile.report`, which imports it).
@@ -32,7 +35,7 @@ from typing import Any
 import jax
 
 from jaxmem._src.listing import short_source
-from jaxmem._src.profile.buffers import Buffer, BufferReport
+from jaxmem._src.profile.buffers import Buffer, BufferGroup, BufferReport, _source_key
 from jaxmem._src.profile.timeline import group_label, stack_by_source
 
 __all__ = ["comparison_page", "comparison_view", "page", "report_page", "report_view", "write"]
@@ -70,10 +73,48 @@ FIGURES = (
 
 TOP_CONTRIBUTORS = 10
 
+# What the timeline's bands group by, at each fold of BufferReport.by_source (the legend says it).
+FOLD_NOTES = {
+    "line": "bands by the model's line",
+    "call": "bands by your line that called a framework's layer",
+    "function": "bands by function (arguments by their first two keys)",
+}
+
+
+def spelled(key: str, backward: bool = False) -> str:
+    """``key`` (a source line ``/dir/file.py:LINE (function)``, an argument's pytree path, a
+    group's key) spelled as the legend spells it: :func:`~jaxmem._src.profile.timeline.group_label`.
+
+    Examples:
+        >>> spelled("/src/model.py:12 (mlp)", backward=True)
+        'model.py:12 (mlp) (backward)'
+        >>> spelled("params['layers']['w1']")
+        "params['layers']['w1']"
+    """
+    return group_label(BufferGroup(key, 0, 0, backward, ()))
+
+
+def buffer_label(b: Buffer) -> str:
+    """What the page calls buffer ``b``: what it is attributed to (the model's line, else the
+    argument's pytree path, else its kind), as the legend spells a group of such buffers; never
+    XLA's name of the value.
+
+    Examples:
+        >>> b = Buffer("params__w__.1", 64, (16,), "f32", "argument", False, "p", "p", "", "",
+        ...            0, 9, 0, 0, 0, argument="params['w']")
+        >>> buffer_label(b)
+        "params['w']"
+    """
+    return spelled(_source_key(b, "line"), b.backward)
+
 
 def _buffer(b: Buffer, band: int | None) -> dict[str, Any]:
     return {
         "name": b.name,
+        "label": buffer_label(b),
+        "chain": [spelled(c) for c in b.chain],
+        "chain_paths": list(b.chain),
+        "argument": b.argument,
         "bytes": b.bytes,
         "shape": list(b.shape),
         "dtype": b.dtype,
@@ -94,7 +135,7 @@ def _buffer(b: Buffer, band: int | None) -> dict[str, Any]:
     }
 
 
-def _group(g: Any) -> dict[str, Any]:
+def _group(g: Any, band: int | None = None) -> dict[str, Any]:
     return {
         "key": g.key,
         "label": group_label(g),
@@ -102,14 +143,19 @@ def _group(g: Any) -> dict[str, Any]:
         "count": g.count,
         "backward": g.backward,
         "names": list(g.names),
+        "band": band,
     }
 
 
 def _timeline_view(b: BufferReport, top: Sequence[Any], groups: int) -> dict[str, Any]:
     stacked = stack_by_source(b, groups)
-    bands = [_group(g) for g in stacked.groups]
+    bands = [_group(g, i) for i, g in enumerate(stacked.groups)]
+    by_name = {buf.name: buf for buf in b.peak_buffers}
     other = stacked.layers[-1, b.peak_index]
-    bands.append({"key": "", "label": stacked.labels[-1], "bytes": int(other), "names": []})
+    bands.append(
+        {"key": "", "label": stacked.labels[-1], "bytes": int(other), "names": [],
+         "band": len(bands), "backward": False}
+    )  # fmt: skip
     return {
         "module": b.module,
         "jax_version": b.jax_version,
@@ -119,13 +165,16 @@ def _timeline_view(b: BufferReport, top: Sequence[Any], groups: int) -> dict[str
         "peak_bytes": b.peak_bytes,
         "peak_instruction": b.peak_instruction,
         "host_peak_bytes": b.host_peak_bytes,
+        "fold": stacked.fold,
+        "fold_note": FOLD_NOTES[stacked.fold],
         "bands": bands,
         "layers": stacked.layers.tolist(),
         "buffers": [
             _buffer(buf, stacked.band_of(buf) if _on_device(buf) else None) for buf in b.buffers
         ],
         "peak_buffers": [buf.name for buf in b.peak_buffers],
-        "top_contributors": [_group(g) for g in top],
+        # A contributor (a source line) is coloured as the band holding its largest buffer.
+        "top_contributors": [_group(g, stacked.band_of(by_name[g.names[0]])) for g in top],
     }
 
 
@@ -186,8 +235,11 @@ def comparison_view(
 
     Returns:
         A dict: ``baseline``, ``columns`` (labels), ``rows`` (``label``, ``values`` and
-        ``ratios`` to the baseline, None where not finite) and ``reports``, one
-        :func:`report_view` per label, in order.
+        ``ratios`` to the baseline, None where not finite), ``reports``, one
+        :func:`report_view` per label, in order, and ``diffs``: what is live at the peaks of
+        the baseline and of each other report, source by source (:meth:`PeakDiff.to_dict
+        <jaxmem._src.profile.diff.PeakDiff.to_dict>` of :meth:`jaxmem.Comparison.diff`; reports
+        without a buffer-level view left out).
 
     Examples:
         >>> import jax.numpy as jnp
@@ -211,7 +263,20 @@ def comparison_view(
         "columns": [label for _, label in columns],
         "rows": rows,
         "reports": [report_view(rep, groups) for rep in comparison.reports.values()],
+        "diffs": _diffs(comparison),
     }
+
+
+def _diffs(comparison: Any) -> list[dict[str, Any]]:
+    """The baseline's :meth:`jaxmem.Comparison.diff` with each other report, as dicts."""
+    base, reports = comparison.baseline, comparison.reports
+    if reports[base].buffers is None:
+        return []
+    return [
+        comparison.diff(base, label).to_dict()
+        for label, rep in reports.items()
+        if label != base and rep.buffers is not None
+    ]
 
 
 def _finite(r: float) -> float | None:

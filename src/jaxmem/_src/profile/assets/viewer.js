@@ -6,9 +6,13 @@
  * over the program stacked by source line as inline SVG (peak marked; hover for what is live at a
  * point, click to open the largest buffer of a band there, drag to zoom, double-click to zoom
  * out), the live ranges of the largest buffers live at the peak, a buffer's details, the top
- * contributors and a filterable table of every buffer. A source line has one colour on the whole
- * page. ``#buffer=NAME`` (and ``#report=LABEL&buffer=NAME``) in the address opens that buffer's
- * details on load. When done it sets ``data-viewer="ready"`` on ``<html>``.
+ * contributors and a filterable table of every buffer; a comparison adds, for the baseline and
+ * each other report, what each peak holds source by source (added, freed, common). A buffer is
+ * named by what it is attributed to (its ``label``, computed in Python: the model's line or the
+ * argument's pytree path, as the legend spells it); XLA's name of the value is secondary. A
+ * source line has one colour on the whole page. ``#buffer=NAME`` (and
+ * ``#report=LABEL&buffer=NAME``) in the address opens that buffer's details on load; NAME is
+ * XLA's name. When done it sets ``data-viewer="ready"`` on ``<html>``.
  */
 (function () {
 "use strict";
@@ -146,8 +150,8 @@ class Report {
       <div class="main-col">
         <section class="box">
           <div class="box-head"><h3>Live device memory over the program</h3>
-            <span class="hint">stacked by the source lines that hold the peak · hover: what
-              is live · click: inspect · drag: zoom</span>
+            <span class="hint">stacked by what holds the peak · hover: what is live ·
+              click: inspect · drag: zoom</span>
             <button class="zoom-out" data-role="zoom-out" hidden>show the whole program</button>
           </div>
           <div class="chart" data-role="chart"></div>
@@ -171,8 +175,8 @@ class Report {
         <div class="box-head"><h3>Buffers</h3><span class="hint">XLA's buffer assignment:
           every value placed in memory, with its live range in program points</span></div>
         <div class="tools">
-          <input type="search" data-role="filter" placeholder="Filter: name, shape, source,
-            op_name" aria-label="Filter buffers">
+          <input type="search" data-role="filter" placeholder="Filter: source, argument,
+            name, shape, op_name" aria-label="Filter buffers">
           <label><input type="checkbox" data-role="all"> all ${fmtInt(this.t.buffers.length)}
             buffers, not only the ${this.t.peak_buffers.length} live at the peak</label>
         </div>
@@ -217,20 +221,19 @@ class Report {
   legend() {
     const t = this.t, last = t.bands.length - 1;
     const empty = t.layers[last].every((v) => v === 0);
-    return t.bands.map((b, i) => i === last && empty ? "" : `<li data-band="${i}"
-      title="${esc(b.key || b.label)}">
+    const fold = `<li class="fold" data-fold="${esc(t.fold)}">${esc(t.fold_note)}:</li>`;
+    return fold + t.bands.map((b, i) => i === last && empty ? "" : `<li data-band="${i}"
+      data-bytes="${b.bytes}" title="${esc(b.key || b.label)}">
       <span class="swatch" style="background:${this.color(i)}"></span>
-      <span>${esc(b.label)}</span> <b>${fmtBytes(b.bytes)}</b></li>`).join("");
+      <span class="band-label">${esc(b.label)}</span> <b>${fmtBytes(b.bytes)}</b></li>`)
+      .join("");
   }
 
   contributors() {
     const t = this.t, peak = t.peak_bytes || 1;
-    const bandOf = (g) => t.bands.findIndex(
-      (b, i) => i < t.bands.length - 1 && b.key === g.key && b.backward === g.backward);
     const rows = t.top_contributors.map((g, i) => {
-      const band = bandOf(g);
       const share = 100 * g.bytes / peak;
-      const color = band >= 0 ? this.color(band) : OTHER_COLOR;
+      const color = this.color(g.band);
       return `<tr data-buffer="${esc(g.names[0] || "")}" title="${esc(g.key)}">
         <td class="num">${i + 1}</td>
         <td class="src"><span class="swatch" style="background:${color}"></span>
@@ -256,20 +259,23 @@ class Report {
       const kind = b.kind + (b.loop_state ? " (loop)" : "") +
         (b.memory_space ? ` (space ${b.memory_space})` : "");
       const op = COMPACT ? "" : `<td class="op"><code>${esc(b.op_name || "—")}</code></td>`;
-      const text = [b.name, fmtShape(b), b.kind, b.source, b.op_name].join(" ").toLowerCase();
+      const text = [b.label, b.name, fmtShape(b), b.kind, b.source, b.op_name].join(" ")
+        .toLowerCase();
       return `<tr data-buffer="${esc(b.name)}" data-peak="${peak ? 1 : 0}"
           data-text="${esc(text)}" tabindex="0"${peak ? "" : " hidden"}>
-        <td class="nowrap"><span class="swatch" style="background:${this.color(b.band)}"></span>
-          <code>${esc(b.name)}</code></td>
+        <td class="nowrap xla-name"><span class="swatch"
+          style="background:${this.color(b.band)}"></span><code>${esc(b.name)}</code></td>
         <td class="num">${fmtBytes(b.bytes)}</td>
         <td class="nowrap"><code>${esc(fmtShape(b))}</code></td>
         <td class="nowrap">${esc(kind)}</td>
-        <td class="src" title="${esc(b.source)}">${esc(b.short_source || "—")}
-          ${b.backward ? '<span class="badge backward">bwd</span>' : ""}</td>
+        <td class="src" data-role="label" title="${esc(b.source || b.argument)}">${
+          esc(b.label)}</td>
         ${op}<td class="num">${range}</td></tr>`;
     });
-    return `<table class="data buffers"><thead><tr><th>name</th><th class="num">size</th>
-      <th>shape</th><th>kind</th><th>source</th>${COMPACT ? "" : "<th>op_name</th>"}
+    return `<table class="data buffers"><thead><tr>
+      <th title="the HLO value of XLA's buffer assignment">XLA's name</th><th class="num">size</th>
+      <th>shape</th><th>kind</th><th title="the model's line that made it, else the argument">
+      attributed to</th>${COMPACT ? "" : "<th>op_name</th>"}
       <th class="num">live range</th></tr></thead><tbody>${rows.join("")}</tbody></table>`;
   }
 
@@ -408,7 +414,7 @@ class Report {
         V${top + ph}M${x0},${top}H${x1}"/>`;
       const end = x0 > m.l + pw * 0.6;
       svg += `<text class="sel-label" x="${end ? x1 - 4 : x0 + 4}" y="${top + 12}"
-        text-anchor="${end ? "end" : "start"}">${esc(sel.name)}</text>`;
+        text-anchor="${end ? "end" : "start"}">${esc(sel.label)}</text>`;
     }
     if (t.peak_index >= a && t.peak_index < b) {
       const xp = r1(x(t.peak_index) + pw / (b - a) / 2), late = xp > m.l + 0.7 * pw;
@@ -498,7 +504,7 @@ class Report {
         style="background:${this.color(i)}"></span></td><td>${esc(t.bands[i].label)}</td>
         <td class="num">${fmtBytes(v)}</td></tr>`).join("");
     const largest = live.filter((h) => band === null || h.band === band).slice(0, 4)
-      .map((h) => `<div><code>${esc(h.name)}</code> ${esc(fmtShape(h))}
+      .map((h) => `<div>${esc(h.label)} <code>${esc(fmtShape(h))}</code>
         ${fmtBytes(h.bytes)}</div>`).join("");
     return `<div class="tt-head">point ${p}: <code>${esc(this.instr(p))}</code></div>
       <div>live ${fmtBytes(t.timeline[p])}${p === t.peak_index ? " (the peak)" : ""},
@@ -510,38 +516,37 @@ class Report {
   }
 
   bufferTip(b) {
-    return `<div class="tt-head"><code>${esc(b.name)}</code> · ${fmtBytes(b.bytes)}</div>
+    return `<div class="tt-head">${esc(b.label)} · ${fmtBytes(b.bytes)}</div>
       <div><code>${esc(fmtShape(b))}</code> · ${esc(b.kind)}${b.loop_state ? " (loop)" : ""}
         ${b.backward ? " · backward" : ""}</div>
-      <div>${esc(b.short_source || b.op_name || "no source")}</div>
-      <div class="tt-foot">live ${b.start}–${b.end} · click for details</div>`;
+      <div class="tt-foot">live ${b.start}–${b.end} · XLA's <code>${esc(b.name)}</code> ·
+        click for details</div>`;
   }
 
   drawLanes() {
     const t = this.t;
     const rows = t.peak_buffers.slice(0, LANES).map((n) => this.byName.get(n));
     const W = Math.max(380, Math.floor(this.lanesEl.clientWidth || 800));
-    const rowH = 19, top = 6, H = top + rows.length * rowH + 24;
+    // Each bar has its label on a line of its own above it, starting where the bar starts
+    // (moved left where the text would run past the right edge).
+    const rowH = 28, top = 4, H = top + rows.length * rowH + 24;
     const s = this.xScale(W), {m, pw, a, b, x} = s;
     let svg = "";
     rows.forEach((buf, i) => {
-      const yy = top + i * rowH, label = `${buf.name} · ${fmtBytes(buf.bytes)}`;
+      const yy = top + i * rowH, label = `${buf.label} · ${fmtBytes(buf.bytes)}`;
+      const room = label.length * 6.4 + 6;
       if (buf.end < a || buf.start >= b) {
-        svg += `<text class="lane-label" x="${m.l + 4}" y="${yy + rowH / 2 + 3}"
-          opacity="0.5">${esc(label)} (outside the zoom)</text>`;
+        svg += `<text class="lane-label" x="${m.l}" y="${yy + 19}" opacity="0.5">${
+          esc(label)} (outside the zoom)</text>`;
         return;
       }
       const x0 = x(buf.start), x1 = Math.max(x(buf.end + 1), x0 + 2), w = r1(x1 - x0);
       const sel = this.selected && this.selected.name === buf.name ? " selected" : "";
-      svg += `<rect class="lane${sel}" data-buffer="${esc(buf.name)}" x="${x0}" y="${yy + 2}"
-        width="${w}" height="${rowH - 5}" rx="3" fill="${this.color(buf.band)}"/>`;
-      const room = label.length * 6.6 + 10;
-      let lx = x1 + 5, anchor = "start", ink = "";
-      if (w > room) { lx = x0 + 5; ink = ` style="fill:${inkOn(this.color(buf.band))}"`; }
-      else if (x1 + room > m.l + pw) { lx = x0 - 5; anchor = "end"; }
-      if (anchor === "end" && x0 - room < 0) lx = m.l + pw - 4;
-      svg += `<text class="lane-label" x="${r1(lx)}" y="${yy + rowH / 2 + 3}"${ink}
-        text-anchor="${anchor}">${esc(label)}</text>`;
+      svg += `<rect class="lane${sel}" data-buffer="${esc(buf.name)}" x="${x0}" y="${yy + 14}"
+        width="${w}" height="11" rx="3" fill="${this.color(buf.band)}"><title>${
+        esc(buf.label)} (XLA's ${esc(buf.name)})</title></rect>`;
+      const lx = Math.max(4, Math.min(x0, W - 4 - room));
+      svg += `<text class="lane-label" x="${r1(lx)}" y="${yy + 11}">${esc(label)}</text>`;
     });
     if (t.peak_index >= a && t.peak_index < b) {
       const xp = r1(x(t.peak_index) + pw / (b - a) / 2);
@@ -582,12 +587,15 @@ class Report {
         100 * (b.end - b.start + 1) / P).toFixed(2)}%;background:${this.color(b.band)}"></span>
       <i style="left:${(100 * (t.peak_index + 0.5) / P).toFixed(2)}%"></i></div>
       <div class="muted" style="font-size:11px">live range; the red tick is the peak</div>`;
-    d.innerHTML = `<h3><code>${esc(b.name)}</code>
+    const chain = b.chain.length ? `<ol class="chain">${b.chain.map((c, i) =>
+      `<li title="${esc(b.chain_paths[i])}">${esc(c)}</li>`).join("")}</ol>` : "—";
+    d.innerHTML = `<h3><span data-role="label">${esc(b.label)}</span>
         <span class="badge ${esc(b.kind)}">${esc(b.kind)}</span>
         ${b.backward ? '<span class="badge backward">backward</span>' : ""}</h3>
       <div class="detail-size">${fmtBytes(b.bytes)}
         <span class="muted">${fmtInt(b.bytes)} bytes</span></div>
       <dl>
+        <dt>XLA's name</dt><dd data-field="name"><code>${esc(b.name)}</code></dd>
         <dt>shape</dt><dd data-field="shape"><code>${esc(fmtShape(b))}</code></dd>
         <dt>dtype</dt><dd data-field="dtype"><code>${esc(b.dtype)}</code></dd>
         <dt>kind</dt><dd data-field="kind">${esc(b.kind)}${b.loop_state
@@ -596,6 +604,9 @@ class Report {
           </dd>
         <dt>source</dt><dd data-field="source">${b.source ? `${esc(b.short_source)}
           <div class="muted path">${esc(b.source)}</div>` : "—"}</dd>
+        <dt>call chain</dt><dd data-field="chain">${chain}</dd>
+        ${b.argument ? `<dt>argument</dt><dd data-field="argument"><code>${
+          esc(b.argument)}</code></dd>` : ""}
         <dt>op_name</dt><dd data-field="op_name"><code>${esc(b.op_name || "—")}</code></dd>
         <dt>instruction</dt><dd data-field="instruction"><code>${esc(b.instruction)}</code>
           ${origin}</dd>
@@ -653,6 +664,66 @@ function comparisonHeader(reports) {
   return box;
 }
 
+// A PeakDiff (diff.py, to_dict): rows of the two peaks by source, in three groups.
+const DIFF_GROUPS = [
+  ["freed", ["freed"], (a, b) => `freed: at ${a}'s peak only`],
+  ["added", ["added"], (a, b) => `added: at ${b}'s peak only`],
+  ["common", ["grown", "shrunk", "same"], () => "common to both peaks"],
+];
+function fmtChange(n) { return (n > 0 ? "+" : n < 0 ? "−" : "") + fmtBytes(Math.abs(n)); }
+function exact(n) {
+  return `${fmtBytes(n)}<div class="muted exact">${fmtInt(n)} B</div>`;
+}
+
+function diffPanel(diff, index, reports) {
+  const peakOf = (label) => {
+    const r = reports.find((x) => x.v.name === label);
+    return r && r.t ? r.t.peak_bytes : null;
+  };
+  const row = (cls, attrs, head, a, b) => `<tr class="${cls}" ${attrs} data-a-bytes="${a}"
+    data-b-bytes="${b}"><td>${head}</td><td class="num">${exact(a)}</td>
+    <td class="num">${exact(b)}</td><td class="num">${fmtChange(b - a)}</td><td></td></tr>`;
+  let sumA = 0, sumB = 0, body = "";
+  for (const [group, statuses, title] of DIFF_GROUPS) {
+    const rows = diff.rows.filter((r) => statuses.includes(r.status));
+    if (!rows.length) continue;
+    let ga = 0, gb = 0;
+    const trs = rows.map((r) => {
+      ga += r.a_bytes;
+      gb += r.b_bytes;
+      return `<tr data-status="${esc(r.status)}" data-a-bytes="${r.a_bytes}"
+          data-b-bytes="${r.b_bytes}">
+        <td class="src" title="${esc(r.key || r.source)}">${esc(r.source)}</td>
+        <td class="num">${r.a_bytes ? fmtBytes(r.a_bytes) : "—"}</td>
+        <td class="num">${r.b_bytes ? fmtBytes(r.b_bytes) : "—"}</td>
+        <td class="num change ${r.b_bytes < r.a_bytes ? "better" : r.b_bytes > r.a_bytes
+          ? "worse" : ""}">${fmtChange(r.b_bytes - r.a_bytes)}</td>
+        <td><span class="badge status-${esc(r.status)}">${esc(r.status)}</span></td></tr>`;
+    }).join("");
+    sumA += ga;
+    sumB += gb;
+    body += `<tbody data-group="${group}"><tr class="group"><th colspan="5">${
+      esc(title(diff.a, diff.b))} · ${rows.length} source${rows.length === 1 ? "" : "s"}</th>
+      </tr>${trs}${row("subtotal", 'data-role="subtotal"', "subtotal", ga, gb)}</tbody>`;
+  }
+  const pa = peakOf(diff.a), pb = peakOf(diff.b);
+  const ok = sumA === pa && sumB === pb;
+  const box = el(`<section class="box diff" data-diff="${index}" data-a="${esc(diff.a)}"
+      data-b="${esc(diff.b)}">
+    <div class="box-head"><h3>What each peak holds, by source: <code>${esc(diff.a)}</code> →
+      <code>${esc(diff.b)}</code></h3><span class="hint">the buffers live at each report's
+      peak, grouped by the model's line that made them (else the argument's pytree path); each
+      column adds up to its report's peak</span></div>
+    <div class="table-scroll"><table class="data diff"><thead><tr><th>source</th>
+      <th class="num">${esc(diff.a)}</th><th class="num">${esc(diff.b)}</th>
+      <th class="num">change</th><th>status</th></tr></thead>${body}
+      <tfoot>${row("sum", 'data-role="sum"', "sum of the rows", sumA, sumB)}
+      ${row(ok ? "peak" : "peak worse", 'data-role="peak"', "peak of each report (live bytes)",
+        pa, pb)}</tfoot></table></div>
+    ${ok ? "" : '<p class="missing">The rows do not add up to the peaks.</p>'}</section>`);
+  return box;
+}
+
 function applyHash(reports) {
   const params = new URLSearchParams(location.hash.replace(/^#/, ""));
   const name = params.get("buffer");
@@ -672,6 +743,7 @@ function main() {
   const yMax = Math.max(1, ...peaks);
   if (COMPACT) {
     app.appendChild(comparisonHeader(reports));
+    (DATA.diffs || []).forEach((d, i) => app.appendChild(diffPanel(d, i, reports)));
     const grid = el(`<div class="compare-grid" style="grid-template-columns:repeat(${
       reports.length}, minmax(${reports.length > 2 ? 420 : 560}px, 1fr))"></div>`);
     app.appendChild(grid);
