@@ -15,6 +15,7 @@ import numpy as np
 from jaxmem._src import checks
 from jaxmem._src import jax_compat as _jc
 from jaxmem._src.chunking import autochunk as _autochunk
+from jaxmem._src.frames import is_model_file
 from jaxmem._src.optimize import budget as _budget
 from jaxmem._src.optimize import intercept as _intercept
 from jaxmem._src.optimize import rewrite as _rw
@@ -69,16 +70,29 @@ class ScanReport:
     kept_bytes: int | None = None
     saved_bytes: int | None = None
 
+    @property
+    def where(self) -> str:
+        """The scan's line, the model's line first: where the scan is a framework's
+        (``nnx.scan``, ``nn.scan``: its ``source`` is in the framework's transform internals),
+        the user's line that led to it, then the framework's line.
+
+        Examples:
+          >>> ScanReport("/u/model.py:3:8 (loss)", 4, True).where
+          '/u/model.py:3:8 (loss)'
+        """
+        if self.called_from and not is_model_file(self.source.split(":", 1)[0]):
+            return f"{self.called_from} (through {self.source})"
+        return self.source + (f", called from {self.called_from}" if self.called_from else "")
+
     def __str__(self) -> str:
         if not self.rewritten:
-            return f"left alone: scan at {self.source}: {self.why}"
+            return f"left alone: scan at {self.where}: {self.why}"
         kept = ""
         if self.stock_bytes is not None and self.kept_bytes is not None:
             kept = f", kept {_mib(self.stock_bytes)} -> {_mib(self.kept_bytes)}"
         if self.saved_bytes is not None:
             kept += f", the gradient's temp {_mib(self.saved_bytes)} less"
-        via = f", called from {self.called_from}" if self.called_from else ""
-        return f"rewritten: scan of {self.length} steps at {self.source}{via}{kept}"
+        return f"rewritten: scan of {self.length} steps at {self.where}{kept}"
 
 
 @dataclasses.dataclass(frozen=True)
