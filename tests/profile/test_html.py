@@ -6,6 +6,12 @@ page in headless Chromium: the script runs to the end with nothing on the consol
 Content-Security-Policy turns any attempt to load a resource into a console message), the DOM
 it builds names the buffers, ``#buffer=NAME`` opens that buffer's details, and a screenshot
 shows a drawing. Without Chromium they are skipped, unless ``CI`` is set: then they fail.
+
+On a plain-JAX transformer and a Flax NNX stack (loss and gradient, as written and through
+``jaxmem.optimize``, one comparison page each) the browser tests read what the page shows: the
+legend's "other" band under a tenth of the peak, every lane, legend entry and table cell naming
+the model's line or the argument's pytree path (never XLA's name of the value), a buffer's call
+chain, and the diff panel's rows adding up to each report's peak to the byte.
 """
 
 import dataclasses
@@ -27,6 +33,7 @@ import numpy as np
 import pytest
 
 import jaxmem
+from benchmarks import attribution
 from jaxmem import __main__ as cli
 from jaxmem._src import plots
 from jaxmem._src.format import format_bytes
@@ -408,3 +415,223 @@ def test_console_check_flags_errors_and_network_use(chromium, report_page, tmp_p
     page = _dom(chromium, fetching)
     assert any("Content Security Policy" in line for line in page.console), page.console
     assert 'data-viewer="ready"' in page.dom  # blocked, and the viewer still runs
+
+
+# --------------------------------------------------------------------------------------------
+# Models as users write them: a plain-JAX transformer (benchmarks/optimize.py's make_loss) and a
+# Flax NNX stack (nnx.vmap + nnx.scan of pre-LN blocks), 4 layers, width 128, batch 2 x 64
+# tokens, each loss and its gradient, as written ("stock") and through jaxmem.optimize, one
+# comparison page each, read back from the DOM Chromium built
+
+OTHER_BELOW = 0.10  # the "other" band's share of the peak, at most
+
+# What a label may be: the model's line ``file.py:LINE (function)`` (at the call and function
+# folds ``file.py (function)``), an argument's pytree path, a buffer of no source by its kind;
+# " (backward)" marks the backward pass.
+LINE_LABEL = re.compile(r"[\w.-]+\.py(:\d+)? \([^()]*(\([^()]*\)[^()]*)*\)")
+PATH_LABEL = re.compile(r"(params|state|x)(\['\w+'\]|\.\w+)*")
+KIND_LABEL = re.compile(r"(temp|argument|output|constant|thread-local): no source")
+# XLA's names of parameters: the pytree path mangled, numbered (``params__layers___w1__.1``).
+MANGLED = re.compile(r"\w*__\w*\.\d+")
+
+
+def _is_attribution(label: str) -> bool:
+    label = label.removesuffix(" (backward)")
+    return any(p.fullmatch(label) for p in (LINE_LABEL, PATH_LABEL, KIND_LABEL))
+
+
+# The models of benchmarks/attribution.py at its sizes (attribution.SIZES), built on use.
+MODELS = {"transformer": attribution.transformer, "nnx": attribution.nnx_stack}
+CASES = [(model, of) for model in MODELS for of in ("loss", "grad")]
+
+
+@dataclasses.dataclass
+class ModelPage:
+    """A model's comparison page (stock vs optimize) and what Chromium built of it."""
+
+    case: str
+    comparison: jaxmem.Comparison
+    path: pathlib.Path
+    page: Loaded
+
+
+@pytest.fixture(scope="module", params=CASES, ids=["-".join(c) for c in CASES])
+def model_page(request, chromium, tmp_path_factory) -> ModelPage:
+    model, of = request.param
+    built = MODELS[model]()
+    loss, args = built.loss, built.args
+    fns = {"stock": loss, "optimize": jaxmem.optimize(loss)}
+    if of == "grad":
+        fns = {label: jax.grad(fn) for label, fn in fns.items()}
+    cmp = jaxmem.compare(fns, *args)
+    path = cmp.to_html(tmp_path_factory.mktemp("models") / f"{model}_{of}.html")
+    return ModelPage(f"{model} {of}", cmp, path, _dom(chromium, path))
+
+
+def _text(fragment: str) -> str:
+    return " ".join(html.unescape(re.sub(r"<[^>]+>", " ", fragment)).split())
+
+
+REPORT_START = re.compile(r'<section class="report[^"]*"\s+id="report-\d+"\s+data-report="([^"]*)"')
+
+
+def _report_sections(dom: str) -> dict[str, str]:
+    """Each report's part of the DOM, by its label (a report runs to the next one's start)."""
+    starts = [(m.start(), html.unescape(m.group(1))) for m in REPORT_START.finditer(dom)]
+    ends = [s for s, _ in starts[1:]] + [len(dom)]
+    return {label: dom[s:e] for (s, label), e in zip(starts, ends, strict=True)}
+
+
+UNITS = {"B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3}
+
+
+def _bytes_shown(text: str) -> float:
+    """``"1.16 MiB"`` -> its bytes, as shown (to the digits printed)."""
+    value, unit = text.split()
+    return float(value) * UNITS[unit]
+
+
+def _legend(section: str) -> list[tuple[str, str]]:
+    """The legend's bands as rendered: (label, size text)."""
+    return [
+        (html.unescape(label), size)
+        for label, size in re.findall(
+            r'<li data-band="\d+"[^>]*>.*?<span class="band-label">(.*?)</span>\s*<b>(.*?)</b>',
+            section,
+            re.DOTALL,
+        )
+    ]
+
+
+def _peak_shown(section: str) -> str:
+    (peak,) = re.findall(r'<text class="peak-label"[^>]*>peak ([^<]*)</text>', section)
+    return peak
+
+
+def _lane_labels(section: str) -> list[str]:
+    """The lanes' labels without their sizes (``LABEL · 1.00 MiB``)."""
+    texts = re.findall(r'<text class="lane-label"[^>]*>([^<]*)</text>', section)
+    return [html.unescape(t).rsplit(" · ", 1)[0] for t in texts]
+
+
+def test_model_pages_run_cleanly(model_page):
+    assert model_page.page.console == []
+    assert 'data-viewer="ready"' in model_page.page.dom
+    assert set(_report_sections(model_page.page.dom)) == {"stock", "optimize"}
+
+
+def test_the_other_band_holds_under_a_tenth_of_each_peak(model_page):
+    """Read from the legend as rendered: the "other" band's size against the peak's label."""
+    shares = {}
+    for label, section in _report_sections(model_page.page.dom).items():
+        legend = dict(_legend(section))
+        peak = _bytes_shown(_peak_shown(section))
+        other = _bytes_shown(legend.get("other", "0 B"))
+        shares[label] = other / peak
+        # The bands add up to the peak (each size rounded to the digits shown).
+        assert sum(map(_bytes_shown, legend.values())) == pytest.approx(peak, rel=0.01)
+        # The legend says which fold its bands use.
+        (fold,) = re.findall(r'<li class="fold" data-fold="(\w+)">([^<]*):</li>', section)
+        assert fold[1] == html_page.FOLD_NOTES[fold[0]]
+    print(f"{model_page.case}: 'other' {', '.join(f'{k} {v:.1%}' for k, v in shares.items())}")
+    assert all(share < OTHER_BELOW for share in shares.values()), (model_page.case, shares)
+
+
+def test_every_label_names_the_attribution(model_page):
+    """Lanes, legend and the buffer table name the model's line or the argument's path, never
+    XLA's name of the value (``params__down__.1``, ``while.3{15}``)."""
+    seen_paths = []
+    for label, section in _report_sections(model_page.page.dom).items():
+        report = model_page.comparison.reports[label]
+        hlo_names = {b.name for b in report.buffers.buffers}
+        lanes = _lane_labels(section)
+        legend = [band for band, _ in _legend(section) if band != "other"]
+        table = [
+            html.unescape(t).strip()
+            for t in re.findall(r'<td class="src" data-role="label"[^>]*>([^<]*)</td>', section)
+        ]
+        assert lanes and legend and len(table) == len(report.buffers.buffers)
+        for text in lanes + legend + table:
+            assert not MANGLED.search(text) and text not in hlo_names, (label, text)
+            assert _is_attribution(text), (label, text)
+        # The lanes are the largest buffers at the peak, each labelled as Python attributes it.
+        expected = [html_page.buffer_label(b) for b in report.peak_buffers[: len(lanes)]]
+        assert lanes == expected
+        seen_paths += [t for t in lanes + legend if PATH_LABEL.match(t)]
+    root = "state['blocks']" if model_page.case.startswith("nnx") else "params['"
+    assert any(t.startswith(root) for t in seen_paths), seen_paths
+
+
+def _diff_rows(panel: str) -> list[dict]:
+    rows = []
+    for attrs, cells in re.findall(r'<tr (data-status="[^"]*"[^>]*)>(.*?)</tr>', panel, re.S):
+        status, a, b = re.search(
+            r'data-status="(\w+)" data-a-bytes="(\d+)"\s+data-b-bytes="(\d+)"', attrs
+        ).groups()
+        source = _text(re.search(r'<td class="src"[^>]*>(.*?)</td>', cells, re.S).group(1))
+        rows.append({"status": status, "a": int(a), "b": int(b), "source": source})
+    return rows
+
+
+def _exact_bytes(panel: str, role: str) -> tuple[int, int]:
+    """The exact byte counts a footer row (``sum``, ``peak``) shows for a and b."""
+    (row,) = re.findall(rf'<tr class="[^"]*" data-role="{role}".*?</tr>', panel, re.S)
+    a, b = re.findall(r'<div class="muted exact">([\d,]+) B</div>', row)
+    return int(a.replace(",", "")), int(b.replace(",", ""))
+
+
+def test_diff_panel_rows_add_up_to_each_peak(model_page):
+    dom, cmp = model_page.page.dom, model_page.comparison
+    panels = re.findall(r'<section class="box diff"[^>]*>.*?</section>', dom, re.S)
+    assert len(panels) == 1
+    panel = panels[0]
+    assert 'data-a="stock"' in panel and 'data-b="optimize"' in panel
+    rows = _diff_rows(panel)
+    expected = cmp.diff("stock", "optimize")
+    assert sorted((r["source"], r["a"], r["b"], r["status"]) for r in rows) == sorted(
+        (r.source, r.a_bytes, r.b_bytes, r.status) for r in expected.rows
+    )
+    # Grouped: freed, added, common (grown, shrunk, same), each row in its group.
+    groups = re.findall(r'<tbody data-group="(\w+)">(.*?)</tbody>', panel, re.S)
+    common = {"grown", "shrunk", "same"}
+    for group, body in groups:
+        statuses = {r["status"] for r in _diff_rows(body)}
+        assert statuses and statuses <= ({group} if group != "common" else common), group
+    assert [g for g, _ in groups] == [
+        g for g, s in (("freed", {"freed"}), ("added", {"added"}), ("common", common))
+        if any(r["status"] in s for r in rows)
+    ]  # fmt: skip
+    assert all(_is_attribution(r["source"]) for r in rows), [r["source"] for r in rows]
+    # The sums the page shows are those of its rows, and each report's peak, to the byte.
+    sums = _exact_bytes(panel, "sum")
+    assert sums == (sum(r["a"] for r in rows), sum(r["b"] for r in rows))
+    assert sums == _exact_bytes(panel, "peak")
+    sections = _report_sections(dom)
+    for label, total in zip(("stock", "optimize"), sums, strict=True):
+        assert total == cmp.reports[label].buffers.peak_bytes
+        assert format_bytes(total) == _peak_shown(sections[label])
+    assert "do not add up" not in panel
+    if model_page.case.endswith("grad"):
+        # optimize changes what the gradient keeps: some rows differ, others are common.
+        assert {r["status"] for r in rows} & {"added", "freed", "grown", "shrunk"}
+        assert {r["status"] for r in rows} & common
+
+
+def test_detail_panel_names_the_attribution_and_the_call_chain(chromium, model_page):
+    report = model_page.comparison.reports["stock"]
+    buf = max((b for b in report.peak_buffers if len(b.chain) > 1), key=lambda b: b.bytes)
+    page = _dom(chromium, model_page.path, _buffer_fragment(buf.name, report="stock"))
+    assert page.console == []
+    shown, fields = _detail(page.dom, 0)
+    assert shown == buf.name
+    panel = re.search(r'<section[^>]*id="detail-0".*?</section>', page.dom, re.S).group(0)
+    heading = re.search(r'<h3><span data-role="label">([^<]*)</span>', panel).group(1)
+    assert html.unescape(heading) == html_page.buffer_label(buf)
+    assert _is_attribution(html.unescape(heading)) and fields["name"] == buf.name
+    # The call chain, innermost first, one file name per line (the full path as its title).
+    chain = re.findall(r'<li title="([^"]*)">([^<]*)</li>', panel)
+    assert [html.unescape(full) for full, _ in chain] == list(buf.chain)
+    assert [html.unescape(short) for _, short in chain] == [
+        c.rsplit(os.sep, 1)[-1] for c in buf.chain
+    ]
+    assert all(LINE_LABEL.fullmatch(html.unescape(short)) for _, short in chain)
