@@ -1,12 +1,13 @@
-"""The memory viewer on the demo GPT, for the docs: docs/_static/viewer.png.
+"""The memory viewer on a GPT-style stack, for the docs: docs/_static/viewer.png.
 
-Profiles the training-step gradient of the demo's GPT (:mod:`jaxmem.demo.models`: its default
-sizes, batch 8, ``jax.grad`` of next-token cross-entropy with the layer stack run by
-``jaxmem.scan``), from shapes alone and compiled as ``python -m jaxmem demo`` compiles it, writes
-:meth:`jaxmem.MemoryReport.to_html` and has headless Chromium take a 1400x900 screenshot of it
-with a buffer's details open (``#buffer=NAME``; by default the largest loop-state buffer live at
-the peak: ``jaxmem.scan``'s stack of residuals). Source paths are shown relative to the
-repository (and to ``site-packages``), so the files name no local folder.
+Profiles the gradient of the GPT-style layer stack of :mod:`benchmarks.optimize` (``make_loss``:
+4 layers, d_model 256, 4 heads, batch 8 x 128 tokens, scanned with ``jax.lax.scan``) through
+``jaxmem.optimize``, from shapes alone, writes :meth:`jaxmem.MemoryReport.to_html` and has
+headless Chromium take a 1400x900 screenshot of it with a buffer's details open
+(``#buffer=NAME``; by default the largest loop-state buffer live at the peak: one of the stacks
+the scan keeps for the backward pass). The page names the model's lines and arguments as any
+user's page does; the full paths it shows are made relative to the repository (and to
+``site-packages``), so they name no local folder.
 
 Usage: ``python -m tools.viewer_screenshot [--out DIR] [--buffer NAME] [--chromium PATH]``
 (default ``--out docs/_static``). Fails, with a message, when Chromium is missing or the page
@@ -16,7 +17,6 @@ logs anything on the browser's console.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import pathlib
 import re
@@ -27,14 +27,12 @@ import tempfile
 import urllib.parse
 
 import jax
-import jax.numpy as jnp
 
 import jaxmem
-from jaxmem.demo import cli as demo
-from jaxmem.demo import models
+from benchmarks.optimize import Sizes, make_args, make_loss
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-BATCH = 8
+SIZES = Sizes(layers=4, batch=8, seq=128, d=256, heads=4)
 SIZE = (1400, 900)
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 FLAGS = (
@@ -53,33 +51,19 @@ FLAGS = (
 CONSOLE = re.compile(r":CONSOLE[:(]")
 
 
-def profile_demo_gpt() -> jaxmem.MemoryReport:
-    """The memory report of the demo GPT's gradient with its layers run by ``jaxmem.scan``."""
-    config = models.GPTConfig()
-    params = models.abstract_params(config, BATCH)
-    tokens = jax.ShapeDtypeStruct((BATCH, config.seq_len), jnp.int32)
-    loss = models.next_token_loss(models.GPT(config, jaxmem.scan))
-    step = jax.jit(jax.grad(loss), compiler_options=demo.FAST_COMPILE)
-    return jaxmem.profile(step, params, tokens)
+def profile_gpt() -> jaxmem.MemoryReport:
+    """The memory report of the GPT-style stack's gradient through ``jaxmem.optimize``."""
+    loss = jaxmem.optimize(make_loss(SIZES, jax.lax.scan))
+    params, x = jax.eval_shape(lambda: make_args(SIZES))
+    return jaxmem.profile(jax.grad(loss), params, x)
 
 
-def _relative(source: str) -> str:
-    """``/any/where/site-packages/flax/x.py:3 (f)`` -> ``flax/x.py:3 (f)``; a file of this
-    repository relative to its root."""
-    source = source.replace(f"{ROOT}{os.sep}", "")
-    return re.sub(r"^.*[/\\]site-packages[/\\]", "", source)
-
-
-def with_relative_sources(report: jaxmem.MemoryReport) -> jaxmem.MemoryReport:
-    """``report`` with every buffer's source path made relative (see :func:`_relative`)."""
-    b = report.buffers
-    moved = {id(x): dataclasses.replace(x, source=_relative(x.source)) for x in b.buffers}
-    buffers = dataclasses.replace(
-        b,
-        buffers=tuple(moved[id(x)] for x in b.buffers),
-        peak_buffers=tuple(moved.get(id(x), x) for x in b.peak_buffers),
-    )
-    return dataclasses.replace(report, buffers=buffers)
+def relative_paths(page: str) -> str:
+    """The page's text with each full path made relative: ``/any/where/site-packages/flax/x.py``
+    -> ``flax/x.py``, a file of this repository relative to its root. Labels, already short
+    (``x.py:3 (f)``), are left as they are."""
+    page = page.replace(f"{ROOT}{os.sep}", "")
+    return re.sub(r"""[^"'\s:]*[/\\]site-packages[/\\]""", "", page)
 
 
 def featured_buffer(report: jaxmem.MemoryReport) -> str:
@@ -121,11 +105,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = with_relative_sources(profile_demo_gpt())
+    report = profile_gpt()
     name = args.buffer or featured_buffer(report)
     png = out / "viewer.png"
     with tempfile.TemporaryDirectory(prefix="jaxmem-viewer-") as tmp:
-        page = report.to_html(pathlib.Path(tmp) / "viewer_demo.html")
+        page = report.to_html(pathlib.Path(tmp) / "viewer_gpt.html")
+        page.write_text(relative_paths(page.read_text(encoding="utf-8")), encoding="utf-8")
         screenshot(chromium, page, "#" + urllib.parse.urlencode({"buffer": name}), png)
     print(f"{report.peak_summary()}\nopened buffer {name}")
     print(f"wrote {png} ({png.stat().st_size:,} bytes)")
