@@ -635,3 +635,62 @@ def test_detail_panel_names_the_attribution_and_the_call_chain(chromium, model_p
         c.rsplit(os.sep, 1)[-1] for c in buf.chain
     ]
     assert all(LINE_LABEL.fullmatch(html.unescape(short)) for _, short in chain)
+
+
+# Hovers the first lane, then the chart at the peak near its floor, and copies each tooltip into
+# the DOM (#tip-0, #tip-1): run after the viewer's script, as a user's pointer would.
+HOVER = """<script>(function () {
+  const tip = () => document.querySelector(".tooltip").innerHTML;
+  const keep = (i, html) => {
+    const d = document.createElement("section");
+    d.id = "tip-" + i;
+    d.innerHTML = html;
+    document.body.appendChild(d);
+  };
+  const move = (target, x, y) => target.dispatchEvent(
+    new MouseEvent("mousemove", {bubbles: true, clientX: x, clientY: y}));
+  move(document.querySelector("rect.lane"), 5, 5);
+  keep(0, tip());
+  const svg = document.querySelector("[data-role=chart] svg"), r = svg.getBoundingClientRect();
+  const x = Number(svg.querySelector("line.peak-line").getAttribute("x1"));
+  move(svg, r.left + x * r.width / svg.viewBox.baseVal.width, r.top + 0.85 * r.height);
+  keep(1, tip());
+})();</script>"""
+
+
+def test_tooltips_name_buffers_by_their_attribution(chromium, report, report_page, tmp_path):
+    hovered = tmp_path / "hovered.html"
+    text = report_page.read_text(encoding="utf-8")
+    hovered.write_text(text.replace("</body>", HOVER + "</body>", 1), encoding="utf-8")
+    page = _dom(chromium, hovered)
+    assert page.console == []
+    tips = dict(re.findall(r'<section id="tip-(\d)">(.*?)</section>', page.dom, re.S))
+    assert set(tips) == {"0", "1"}, page.dom[-3000:]
+    # A lane's tooltip: the buffer's label first; XLA's name only in its foot.
+    first = report.peak_buffers[0]
+    head = _text(re.search(r'<div class="tt-head">(.*?)</div>', tips["0"], re.S).group(1))
+    assert head == f"{html_page.buffer_label(first)} · {format_bytes(first.bytes)}"
+    assert f"XLA's {first.name}" in _text(tips["0"])
+    # The chart's tooltip at the peak: the largest buffers of the band there, by their labels.
+    largest = re.findall(r"<div>([^<]*)<code>", tips["1"].split("here:", 1)[1])
+    labels = {html_page.buffer_label(b) for b in report.peak_buffers}
+    assert largest and {html.unescape(t).strip() for t in largest} <= labels, largest
+    names = {b.name for b in report.buffers.buffers}
+    assert not {html.unescape(t).strip() for t in largest} & names
+
+
+def test_comparison_data_holds_the_diff_of_the_baseline_with_each_report(comparison):
+    view = html_page.comparison_view(comparison, [("temp_bytes", "temp")])
+    assert view["diffs"] == [comparison.diff("stock", "remat").to_dict()]
+    for d in view["diffs"]:
+        assert sum(r["a_bytes"] for r in d["rows"]) == d["a_peak_bytes"]
+        assert sum(r["b_bytes"] for r in d["rows"]) == d["b_peak_bytes"]
+    # Three reports: the baseline against each other one; one without buffers is left out.
+    stock, remat = comparison.reports["stock"], comparison.reports["remat"]
+    bare = dataclasses.replace(remat, buffers=None, buffer_error="no dump (a test)")
+    three = jaxmem.Comparison({"stock": stock, "remat": remat, "bare": bare, "again": stock})
+    diffs = html_page.comparison_view(three, [("temp_bytes", "temp")])["diffs"]
+    assert [(d["a"], d["b"]) for d in diffs] == [("stock", "remat"), ("stock", "again")]
+    assert {r["status"] for r in diffs[1]["rows"]} == {"same"}
+    no_base = jaxmem.Comparison({"bare": bare, "stock": stock})
+    assert html_page.comparison_view(no_base, [("temp_bytes", "temp")])["diffs"] == []
