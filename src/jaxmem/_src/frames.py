@@ -48,19 +48,30 @@ class Frame(NamedTuple):
         return f"{self.file}:{self.line}" + (f" ({self.function})" if self.function else "")
 
 
-# What is not a model frame, as (package, folders or files inside it; () for all of it). A
-# framework's layers are model code; its transforms, lifting and pytree plumbing are not.
-_INTERNAL = (
-    ("jax", ()),
-    ("jaxlib", ()),
-    ("jaxmem", ()),
-    ("flax", ("core", "nnx", "linen/module.py", "linen/transforms.py", "linen/spmd.py",
-              "linen/partitioning.py", "linen/kw_only_dataclasses.py", "struct.py")),
-    ("equinox", ("internal", "debug", "_module")),
-)  # fmt: skip
-
-# ... except these, inside an internal folder above: Flax NNX's layers and optimizer.
-_MODEL_INSIDE = (("flax", ("nnx/nn", "nnx/training")),)
+# Which files of installed packages are the model's code, as (package, path inside it, model?):
+# the longest path that holds a file decides. A framework's layers are model code; its
+# transforms, lifting, named-array plumbing and pytree machinery are not. Files of other
+# installed packages are (their layers, an optimizer's update); the standard library is not.
+_RULES = (
+    ("jax", "", False),
+    ("jaxlib", "", False),
+    ("jaxmem", "", False),
+    ("flax", "core", False),
+    ("flax", "nnx", False),
+    ("flax", "nnx/nn", True),
+    ("flax", "nnx/training", True),
+    ("flax", "linen/module.py", False),
+    ("flax", "linen/transforms.py", False),
+    ("flax", "linen/spmd.py", False),
+    ("flax", "linen/partitioning.py", False),
+    ("flax", "linen/kw_only_dataclasses.py", False),
+    ("flax", "struct.py", False),
+    ("equinox", "", False),  # its filtered transforms (_jit, _vmap_pmap, _ad), _module, internal
+    ("equinox", "nn", True),
+    ("haliax", "", False),  # named arrays: Levanter's jax.numpy, its scans and partitioning
+    ("haliax", "nn", True),
+    ("haliax", "nn/scan.py", False),
+)
 
 
 def _package_dir(package: str) -> str | None:
@@ -73,27 +84,19 @@ def _package_dir(package: str) -> str | None:
     return os.path.realpath(next(iter(spec.submodule_search_locations)))
 
 
-def _paths(table) -> tuple[str, ...]:
-    out = []
-    for package, inside in table:
+@functools.cache
+def _tables() -> tuple[tuple[tuple[str, bool], ...], tuple[str, ...]]:
+    """The rules as (absolute path, model?), longest first; the standard library's folders."""
+    rules = []
+    for package, inside, model in _RULES:
         root = _package_dir(package)
         if root is not None:
-            out += [os.path.join(root, p) for p in inside] if inside else [root]
-    return tuple(out)
-
-
-@functools.cache
-def _tables() -> tuple[tuple[str, ...], tuple[str, ...], str, tuple[str, ...]]:
-    internal = _paths(_INTERNAL)
-    model_inside = _paths(_MODEL_INSIDE)
-    # Equinox's top-level private modules are its filtered transforms (_jit, _vmap_pmap, _ad).
-    eqx = _package_dir("equinox")
-    eqx_private = os.path.join(eqx, "_") if eqx else ""
+            rules.append((os.path.join(root, inside) if inside else root, model))
     stdlib = tuple(
         os.path.realpath(p)
         for p in {sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]}
     )
-    return internal, model_inside, eqx_private, stdlib
+    return tuple(sorted(rules, key=lambda r: -len(r[0]))), stdlib
 
 
 def _under(path: str, roots: Iterable[str]) -> bool:
@@ -103,26 +106,23 @@ def _under(path: str, roots: Iterable[str]) -> bool:
 @functools.lru_cache(maxsize=4096)
 def is_model_file(path: str) -> bool:
     """Whether a frame in file ``path`` is the model's code: not JAX's, jaxlib's, jaxmem's, the
-    standard library's, nor a framework's transform internals (``flax/core``,
-    ``flax/nnx`` but its layers ``flax/nnx/nn``, Flax linen's module and transforms, Equinox's
-    ``internal`` and private modules).
+    standard library's, nor a framework's transform internals (``flax/core``, ``flax/nnx`` but
+    its layers ``flax/nnx/nn``, Flax linen's module and transforms, Equinox but ``equinox/nn``,
+    Haliax but its layers ``haliax/nn``).
 
     Examples:
         >>> is_model_file("/home/me/train.py"), is_model_file(os.__file__)
         (True, False)
     """
-    if not path or path.startswith("<frozen"):  # the standard library, frozen in
-        return False
-    if path.startswith("<"):  # <doctest ...>, <ipython-input-...>, <string>: the user's code
+    if not path or path.startswith(("<frozen", "<string>")):  # frozen stdlib; code exec'd
+        return False  # from a string (dataclass methods, execnet's workers)
+    if path.startswith("<"):  # <doctest ...>, <ipython-input-...>: the user's code
         return True
     real = os.path.realpath(path)
-    internal, model_inside, eqx_private, stdlib = _tables()
-    if _under(real, model_inside):
-        return True
-    if eqx_private and real.startswith(eqx_private) and os.sep not in real[len(eqx_private) :]:
-        return False
-    if _under(real, internal):
-        return False
+    rules, stdlib = _tables()
+    for root, model in rules:
+        if _under(real, (root,)):
+            return model
     parts = pathlib.PurePath(real).parts
     if "site-packages" in parts or "dist-packages" in parts:
         return True  # another installed library: its layers, an optimizer's update
@@ -143,21 +143,24 @@ def in_a_package(path: str) -> bool:
 
 def model_chain(frames: Iterable[Frame]) -> tuple[Frame, ...]:
     """The model frames of a stack, innermost first: the model's line, then the calls that led
-    to it (a framework's layer, then the user's own files), ``()`` if it has none.
+    to it (a framework's layer, then the user's own files), ``()`` if it has none. The chain
+    ends at the user's outermost file: the installed packages that called it (a test runner,
+    a notebook's kernel) are not the model.
 
     Examples:
         >>> jax_frame = Frame(os.path.join(_package_dir("jax"), "numpy/x.py"), 1, "sin")
         >>> layer = Frame("/venv/lib/site-packages/flax/nnx/nn/linear.py", 422, "Linear.__call__")
         >>> user = Frame("/home/me/model.py", 21, "Block.__call__")
-        >>> [f.function for f in model_chain([jax_frame, layer, jax_frame, user, user])]
+        >>> runner = Frame("/venv/lib/site-packages/_pytest/python.py", 157, "pyfunc_call")
+        >>> [f.function for f in model_chain([jax_frame, layer, jax_frame, user, user, runner])]
         ['Linear.__call__', 'Block.__call__']
 
-    A frame repeated next to itself (JAX records one per column of a line) is kept once.
+    A frame is kept once: JAX records one per column of a line, and the stack of a loop body
+    traced inside another trace holds the outer trace's frames again.
     """
-    chain: list[Frame] = []
-    for frame in frames:
-        if is_model_file(frame.file) and (not chain or chain[-1] != frame):
-            chain.append(frame)
+    chain = list(dict.fromkeys(frame for frame in frames if is_model_file(frame.file)))
+    while len(chain) > 1 and in_a_package(chain[-1].file) and user_frame(chain) is not None:
+        chain.pop()
     return tuple(chain)
 
 

@@ -47,8 +47,10 @@ _RELAYOUTS = {"bitcast", "copy", "reshape", "transpose", "copy-start", "copy-don
 
 
 def _data_sources(module: _Module, instr: _Instr, index: tuple[int, ...], direct: bool):
-    """Where the data of ``instr``'s value ``index`` comes from, most telling first. Past what
-    an instruction without the model's frame moves (operand 0) or computes (its operands)."""
+    """Where the data of ``instr``'s value ``index`` comes from, most telling first: what wraps
+    or moves data says less than its data, and so does what computes without any model frame
+    in its stack (an op jaxmem's loops add); a library's computation with the model's call
+    further out in its stack is that call's (Haliax's ``multiply`` inside a Levanter layer)."""
     out = []
     step = _ORIGIN_STEPS.get(instr.opcode)
     nxt = None if step is None else step(module, instr, index)
@@ -60,7 +62,7 @@ def _data_sources(module: _Module, instr: _Instr, index: tuple[int, ...], direct
         return out
     if instr.opcode in _RELAYOUTS or (not direct and instr.opcode in _MOVES):
         return [_operand(instr, 0, index if instr.opcode in ("copy", "bitcast") else ())]
-    if not direct:
+    if not instr.model_chain:
         out += [_operand(instr, i, ()) for i in range(len(instr.operands))]
     return out
 
