@@ -15,6 +15,7 @@ from jaxmem._src.chunking.autochunk import ChunkedTail as ChunkedTail
 from jaxmem._src.chunking.autochunk import ChunkReport as ChunkReport
 from jaxmem._src.chunking.autochunk import autochunk as autochunk
 from jaxmem._src.chunking.chunked import chunked as chunked
+from jaxmem._src.lint.api import lint as lint
 from jaxmem._src.optimize.api import Explanation as Explanation
 from jaxmem._src.optimize.api import Optimized as Optimized
 from jaxmem._src.optimize.api import ScanReport as ScanReport
@@ -48,6 +49,8 @@ from jaxmem._src.scan.api import ForwardModeError as ForwardModeError
 from jaxmem._src.scan.api import scan as scan
 from jaxmem._src.scan.api import scan_residuals as scan_residuals
 from jaxmem._src.scan.api import scanned as scanned
+from jaxmem._src.scan.findings import Finding as Finding
+from jaxmem._src.scan.findings import LintWarning as LintWarning
 from jaxmem._src.scan.hooks import StepCounter as StepCounter
 from jaxmem._src.scan.hooks import step_counter as step_counter
 from jaxmem._src.scan.schedule import CheckpointSchedule as CheckpointSchedule
@@ -75,8 +78,10 @@ __all__ = [
     "Comparison",
     "Coupling",
     "Explanation",
+    "Finding",
     "ForwardModeError",
     "Frontier",
+    "LintWarning",
     "MemoryReport",
     "NAMES",
     "Optimized",
@@ -93,6 +98,7 @@ __all__ = [
     "compare",
     "flax",
     "frontier",
+    "lint",
     "losses",
     "merge",
     "name",

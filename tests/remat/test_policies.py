@@ -32,6 +32,10 @@ from jaxmem._src.remat import policies as policies_src
 from jaxmem._src.remat.names import NAMES, name
 from jaxmem.demo import models
 
+# Offloading policies checked on CPU, where offload is the identity: each loop under one warns
+# offload_noop, as a user's would.
+pytestmark = pytest.mark.filterwarnings("ignore:offload_noop. offload of:jaxmem.LintWarning")
+
 B, S, D, A, F, L = 2, 8, 12, 3, 20, 3  # batch, seq, width, heads, MLP width, layers
 K = D // A
 CARRY = (B, S, D)  # decoder_layer_input, out_proj, mlp_out

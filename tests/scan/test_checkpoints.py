@@ -36,6 +36,11 @@ from tests.helpers import (
 )
 from tests.scan.corpus import CASES
 
+# The module runs every count of checkpoints, those at least the length (clamped) included,
+# where a small loop keeps no more without them: each such loop warns option_noop, as a
+# user's would.
+pytestmark = pytest.mark.filterwarnings("ignore:option_noop. checkpoints=:jaxmem.LintWarning")
+
 # ------------------------------------------------------------------------------------------
 # The schedule.
 

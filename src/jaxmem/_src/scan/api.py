@@ -29,6 +29,8 @@ import jax
 
 from jaxmem._src import checks
 from jaxmem._src import jax_compat as _jc
+from jaxmem._src.scan import findings as _findings
+from jaxmem._src.scan import hooks as _hooks
 from jaxmem._src.scan import options as _opts
 from jaxmem._src.scan import primitive as _primitive
 from jaxmem._src.scan import schedule as _schedule
@@ -294,10 +296,15 @@ def scan(
 
 def run_with(f: Callable, init: Any, xs: Any, length: int | None, reverse: bool, opts):
     """:func:`scan` with its options checked already (a :class:`ScanOptions`, passed whole
-    from an entry point such as a Flax layer, whose name the errors then carry)."""
+    from an entry point such as a Flax layer, whose name the errors then carry).
+
+    The loop's findings (:mod:`jaxmem._src.scan.lint`) are reported at the user's line that
+    called it; :func:`jaxmem.lint` reads its options there and turns them off one at a time."""
+    site = _findings.user_site()
+    opts = dataclasses.replace(_hooks.called(site, opts), site=site)
     f, opts = opts.for_step(f)
     try:
-        return _primitive.run(f, init, xs, length, reverse, opts)
+        return _primitive.run(f, init, xs, length, reverse, opts, check=True)
     except (TypeError, NotImplementedError) as e:  # the custom VJP (jax_compat.hiprim_usable)
         # JAX's TypeError names forward mode; with jax_custom_vjp3 it is a bare
         # NotImplementedError, under a jvp the name stack shows.

@@ -1,13 +1,18 @@
-"""Hooks into jaxmem's loops: step counters and plan collectors, scoped with contextvars (each
-thread and context sees its own).
+"""Hooks into jaxmem's loops: step counters, plan collectors, and what :func:`jaxmem.lint` reads
+and turns off (each loop's options by call site), scoped with contextvars (each thread and
+context sees its own).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
+import itertools
 
 import jax
+
+from jaxmem._src import jax_compat as _jc
 
 
 class StepCounter:
@@ -116,3 +121,61 @@ def quiet_plans():
         yield
     finally:
         _PLAN_COLLECTORS.reset(token)
+
+
+# What jaxmem.lint traces under: None, or (a number new for each trace, the (site, option) pairs
+# it turns off). Part of jax.jit's cache key and of the trace caches, so that functions jitted
+# before are traced again (their loops report their findings and options) and a loop's option is
+# off in a function jitted with it on.
+_LINT = _jc.trace_keyed_state(
+    "jaxmem_lint",
+    None,
+    "What jaxmem.lint traces under: the loop options it turns off, by call site.",
+)
+_LINT_TRACES = itertools.count()
+# The lists of the collect_calls blocks active in this context: each loop's (site, options).
+_CALL_COLLECTORS: contextvars.ContextVar[tuple[list, ...]] = contextvars.ContextVar(
+    "jaxmem_call_collectors", default=()
+)
+
+# The memory options lint can turn off, with the value that means "not given".
+SWITCHABLE = {"policy": None, "offload": None, "checkpoints": None, "compress": None}
+
+
+@contextlib.contextmanager
+def linting(switched_off: frozenset = frozenset()):
+    """A block traced afresh (functions jitted before are traced again) in which the loops
+    called from a site run without an option, for each ``(site, option)`` pair of
+    ``switched_off`` (``site`` the ``str`` of a :class:`jaxmem._src.findings.Site`, ``option``
+    one of :data:`SWITCHABLE`)."""
+    for _, option in switched_off:
+        if option not in SWITCHABLE:
+            raise ValueError(f"linting: {option!r} is not one of {sorted(SWITCHABLE)}")
+    with _LINT((next(_LINT_TRACES), frozenset(switched_off))):
+        yield
+
+
+@contextlib.contextmanager
+def collect_calls():
+    """Collects ``(site, options)`` of every jaxmem loop traced inside the block (``site`` a
+    string, ``options`` its :class:`~jaxmem._src.scan.options.ScanOptions` as given)."""
+    calls: list = []
+    token = _CALL_COLLECTORS.set((*_CALL_COLLECTORS.get(), calls))
+    try:
+        yield calls
+    finally:
+        _CALL_COLLECTORS.reset(token)
+
+
+def called(site, opts):
+    """A loop called from ``site`` with ``opts``: reported to the :func:`collect_calls` blocks,
+    and returned with the options :func:`linting` turns off at that site reset."""
+    if site is None:  # no line of the user's to name (a loop of jaxmem's own)
+        return opts
+    key = str(site)
+    for calls in _CALL_COLLECTORS.get():
+        calls.append((key, opts))
+    state = _LINT.value
+    switched = state[1] if state else ()
+    off = {option: SWITCHABLE[option] for s, option in switched if s == key}
+    return dataclasses.replace(opts, **off) if off else opts

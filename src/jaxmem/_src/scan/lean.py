@@ -17,6 +17,7 @@ from jaxmem._src import jax_compat as _jc
 from jaxmem._src import listing as _listing
 from jaxmem._src.scan import compress as _compress
 from jaxmem._src.scan import jaxprs as _jaxprs
+from jaxmem._src.scan import lint as _lint
 from jaxmem._src.scan import residuals as _res
 from jaxmem._src.scan import summary as _summary
 from jaxmem._src.scan.hooks import _PLAN_COLLECTORS, _tick
@@ -143,7 +144,10 @@ class _LeanScan:
         packed = tuple(
             v.aval.shape[-1] if _jaxprs.packs_bits(v.aval) else None for v in step.stacked_vars
         )
-        return _StackLayout(step, tuple(stacked), tuple(carry), packed)
+        layout = _StackLayout(step, tuple(stacked), tuple(carry), packed)
+        if opts.site is not None:  # offload and compress that keep the same bytes
+            _lint.check_plan(layout, opts, opts.site)
+        return layout
 
     def summary(self, step) -> ScanResiduals:
         return _summary.summarize(

@@ -38,6 +38,9 @@ class ScanOptions:
       own_remat: the step runs under the policy's ``jax.checkpoint`` (set by :meth:`for_step`
         when a loop is traced: what its remat recomputes from loop invariants is then kept in
         the backward loop, as under ``prevent_cse=True``).
+      site: the user's line that called the loop (a :class:`jaxmem._src.findings.Site`, set
+        by :func:`~jaxmem._src.scan.api.run_with`), where its findings are reported; None:
+        a loop of jaxmem's own, or one not to report (a plan made only to compare).
 
     The options travel whole from the entry point to the loop's rules; :meth:`for_step` is
     the one place the policy is applied, ``"auto"`` resolved against the active plan.
@@ -64,6 +67,7 @@ class ScanOptions:
     checkpoints: int | str | None = None
     compress: str | None = None
     own_remat: bool = False
+    site: Any = None
 
     @classmethod
     def create(

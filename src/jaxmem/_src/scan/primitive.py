@@ -26,6 +26,7 @@ The primitive prints as ``jaxmem_scan[length=... reverse=... jaxpr=...]`` in a j
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -34,6 +35,7 @@ from jax.custom_derivatives import CustomVJPPrimal
 from jax.tree_util import tree_unflatten
 
 from jaxmem._src import jax_compat as _jc
+from jaxmem._src.scan import lint as _lint
 from jaxmem._src.scan import options as _opts
 from jaxmem._src.scan import summary as _summary
 from jaxmem._src.scan import unrolled as _unrolled
@@ -75,13 +77,17 @@ def trace_loop(f, init, xs, length, opts: _opts.ScanOptions, diff_consts=False) 
     return Loop(body, inputs, length, slots, restore)
 
 
-def run(f, init, xs, length, reverse: bool, opts: _opts.ScanOptions):
+def run(f, init, xs, length, reverse: bool, opts: _opts.ScanOptions, check: bool = False):
     """Traces ``f`` and runs it as one ``jaxmem_scan``: ``(final carry, ys)`` as pytrees.
 
     ``opts`` are the loop's options as :meth:`~jaxmem._src.scan.options.ScanOptions.for_step`
-    returns them (``checkpoints`` resolved against the active plan, ``own_remat`` set)."""
+    returns them (``checkpoints`` resolved against the active plan, ``own_remat`` set). With
+    ``check`` (a user's call, not a loop a rule makes) the loop's trace-time findings are
+    reported at ``opts.site`` (:func:`jaxmem._src.scan.lint.check_loop`)."""
     loop = trace_loop(f, init, xs, length, opts)
     body, inputs, slots, restore = loop.body, loop.inputs, loop.slots, loop.restore
+    if check and opts.site is not None:
+        _check(loop, reverse, opts)
     if slots is None:
         rules = loop.lean(reverse, opts)
     else:
@@ -105,6 +111,21 @@ def run(f, init, xs, length, reverse: bool, opts: _opts.ScanOptions):
         final, ys = _bind(rules, inputs)
     final, ys = restore(final, ys)
     return tree_unflatten(body.carry_tree, final), tree_unflatten(body.y_tree, ys)
+
+
+def _check(loop: Loop, reverse: bool, opts: _opts.ScanOptions) -> None:
+    """The trace-time findings of a user's loop; with checkpoints, those that compare it with
+    the lean VJP's plan (made quietly: it reports neither a plan nor findings of its own)."""
+    _lint.check_loop(loop, opts, opts.site)
+    if loop.slots is None:
+        return
+    _lint.check_checkpointed(loop, opts, opts.site)
+    k = opts.checkpoints
+    if isinstance(k, int) and not isinstance(k, bool) and k >= loop.length > 1:
+        lean_opts = dataclasses.replace(opts, checkpoints=None, offload=None, site=None)
+        with _quiet_plans():
+            plan = loop.lean(reverse, lean_opts).plan
+        _lint.check_checkpoints(loop, opts, plan, opts.site)
 
 
 def _bind(rules, inputs):
