@@ -24,6 +24,12 @@ def mlp():
     return jax.grad(_mlp_loss), (params, x)
 
 
+def mlp_remat():
+    """The same gradient with the MLP's hidden layer recomputed (``jax.checkpoint``)."""
+    fn, args = mlp()
+    return jax.grad(jax.checkpoint(_mlp_loss)), args
+
+
 def scaled_loss(x, *, scale):
     return jnp.sum(jnp.sin(x) * scale)
 

@@ -9,11 +9,14 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import pytest
 
 import jaxmem
 from jaxmem import __main__ as cli
+from jaxmem._src.format import format_bytes
 from jaxmem._src.profile import cli as cli_profile
+from tests.profile import profile_targets
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TARGETS_FILE = pathlib.Path(__file__).resolve().parent / "profile_targets.py"
@@ -42,7 +45,7 @@ def test_help_documents_the_target_contract(capsys):
     assert "TARGET" in printed and "(fn, args) or (fn, args, kwargs)" in printed
     assert "python -m jaxmem profile mymodel:make_step" in printed
     assert "path/to/file.py:function" in printed
-    for option in ("--out", "--top", "--json", "--traceback"):
+    for option in ("--out", "--top", "--json", "--against", "--traceback"):
         assert option in printed
     with pytest.raises(SystemExit):
         cli.main(["--help"])
@@ -66,6 +69,26 @@ def test_module_target_prints_the_report_and_writes_the_plots(tmp_path, capsys):
         assert f"wrote {path}" in out
     report = json.loads(json_path.read_text())
     assert report["argument_bytes"] == (32 * 64 + 64 * 8 + 16 * 32) * 4
+
+
+def test_against_prints_the_diff_of_the_two_peaks(tmp_path, capsys):
+    a, b = "tests.profile.profile_targets:mlp", "tests.profile.profile_targets:mlp_remat"
+    status, out, err = _run(capsys, a, "--against", b, "--out", str(tmp_path), "--html")
+    assert status == 0, err
+    assert f"What is live at each peak, by source: '{a}' -> '{b}'" in out
+    loss = profile_targets._mlp_loss
+    grads = {a: jax.grad(loss), b: jax.grad(jax.checkpoint(loss))}
+    cmp = jaxmem.compare(grads, *profile_targets.mlp()[1])
+    d = cmp.diff()
+    table = out[out.index("What is live at each peak") :]
+    for row in d.rows:  # every row, bytes as the table writes them
+        assert any(row.source in line and row.status in line for line in table.splitlines()), row
+    peak_line = next(
+        line for line in table.splitlines() if line.strip().startswith("peak (live bytes)")
+    )
+    assert format_bytes(d.a_peak_bytes) in peak_line and format_bytes(d.b_peak_bytes) in peak_line
+    page = tmp_path / "mlp_comparison.html"
+    assert f"wrote {page}" in out and page.read_text().startswith("<!DOCTYPE html>")
 
 
 def test_file_target_with_kwargs(tmp_path, capsys):

@@ -30,9 +30,10 @@ from typing import Any
 
 from jaxmem._src import checks
 from jaxmem._src.format import format_bytes
-from jaxmem._src.listing import short_source
 from jaxmem._src.profile.buffers import Buffer
+from jaxmem._src.profile.compare import Comparison
 from jaxmem._src.profile.report import MemoryReport, ProfileError, profile
+from jaxmem._src.profile.timeline import buffer_label
 
 __all__ = [
     "DESCRIPTION",
@@ -327,6 +328,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "of the timeline and the buffers, one file with no network access (report.to_html())",
     )
     parser.add_argument(
+        "--against",
+        metavar="TARGET_B",
+        help="also profile TARGET_B (same contract) and print what is live at each peak, source "
+        "by source (jaxmem.compare(...).diff(), the --top largest changes); with --html, write "
+        "<function>_comparison.html, the viewer of both with the diff, instead of the plots",
+    )
+    parser.add_argument(
         "--traceback",
         action="store_true",
         help="on an error in TARGET's code or in profiling, show the traceback, not one line",
@@ -351,14 +359,8 @@ def run(args: argparse.Namespace) -> int:
       on stderr (the traceback too with ``--traceback``).
     """
     try:
-        factory, name = load_target(args.target)
-        fn, fn_args, fn_kwargs = call_target(factory, args.target)
-        try:
-            report = profile(fn, *fn_args, **fn_kwargs)
-        except ProfileError as e:  # its message names the stage, the function and the cause
-            raise TargetError(f"{args.target}: {_exception_line(e, with_type=False)}") from e
-        except TypeError as e:  # an argument JAX cannot trace, named by its pytree path
-            raise TargetError(f"{args.target}: {_exception_line(e)}") from e
+        name, report = _profile_target(args.target)
+        other = None if args.against is None else _profile_target(args.against)
     except TargetError as e:
         if args.traceback and e.__cause__ is not None:
             traceback.print_exception(e.__cause__)
@@ -367,6 +369,8 @@ def run(args: argparse.Namespace) -> int:
     if report.buffers is not None and args.top:
         _print_peak_buffers(report.peak_buffers, args.top)
     print(f"\n{args.target}: {report.peak_summary()}")
+    if other is not None:
+        return _run_against(args, name, report, other[1])
     try:
         written = _write_outputs(report, name, args.out, args.json, args.html)
     except OSError as e:
@@ -378,6 +382,36 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _profile_target(target: str) -> tuple[str, MemoryReport]:
+    """Loads ``target``, calls it and profiles what it returns: ``(its name, the report)``."""
+    factory, name = load_target(target)
+    fn, fn_args, fn_kwargs = call_target(factory, target)
+    try:
+        return name, profile(fn, *fn_args, **fn_kwargs)
+    except ProfileError as e:  # its message names the stage, the function and the cause
+        raise TargetError(f"{target}: {_exception_line(e, with_type=False)}") from e
+    except TypeError as e:  # an argument JAX cannot trace, named by its pytree path
+        raise TargetError(f"{target}: {_exception_line(e)}") from e
+
+
+def _run_against(args: argparse.Namespace, name: str, a: MemoryReport, b: MemoryReport) -> int:
+    """``--against``: B's peak, then the diff of the two peaks (and the comparison's viewer)."""
+    print(f"{args.against}: {b.peak_summary()}\n")
+    if a.buffers is None or b.buffers is None:
+        why = a.buffer_error if a.buffers is None else b.buffer_error
+        return _error(f"no diff: no buffer-level view ({why})")
+    comparison = Comparison({args.target: a, args.against: b})
+    print(comparison.diff().to_text(args.top or None))
+    if args.html:
+        try:
+            os.makedirs(args.out, exist_ok=True)
+            path = comparison.to_html(os.path.join(args.out, f"{name}_comparison.html"))
+        except OSError as e:
+            return _error(f"writing the outputs failed: {_exception_line(e)}")
+        print(f"wrote {path}")
+    return 0
+
+
 def _print_peak_buffers(buffers: tuple[Buffer, ...], top: int) -> None:
     """The largest ``top`` buffers live at the peak, with their ``op_name``."""
     rows = [
@@ -385,7 +419,7 @@ def _print_peak_buffers(buffers: tuple[Buffer, ...], top: int) -> None:
             format_bytes(b.bytes),
             "loop state" if b.loop_state else b.kind,
             f"{b.dtype}{list(b.shape)}",
-            short_source(b.source) if b.source else "-",
+            buffer_label(b),
             (b.op_name or "-") + (" (backward)" if b.backward else ""),
         )
         for b in buffers[:top]

@@ -35,8 +35,8 @@ from typing import Any
 import jax
 
 from jaxmem._src.listing import short_source
-from jaxmem._src.profile.buffers import Buffer, BufferGroup, BufferReport, _source_key
-from jaxmem._src.profile.timeline import group_label, stack_by_source
+from jaxmem._src.profile.buffers import Buffer, BufferReport
+from jaxmem._src.profile.timeline import buffer_label, group_label, spelled, stack_by_source
 
 __all__ = ["comparison_page", "comparison_view", "page", "report_page", "report_view", "write"]
 
@@ -79,33 +79,6 @@ FOLD_NOTES = {
     "call": "bands by your line that called a framework's layer",
     "function": "bands by function (arguments by their first two keys)",
 }
-
-
-def spelled(key: str, backward: bool = False) -> str:
-    """``key`` (a source line ``/dir/file.py:LINE (function)``, an argument's pytree path, a
-    group's key) spelled as the legend spells it: :func:`~jaxmem._src.profile.timeline.group_label`.
-
-    Examples:
-        >>> spelled("/src/model.py:12 (mlp)", backward=True)
-        'model.py:12 (mlp) (backward)'
-        >>> spelled("params['layers']['w1']")
-        "params['layers']['w1']"
-    """
-    return group_label(BufferGroup(key, 0, 0, backward, ()))
-
-
-def buffer_label(b: Buffer) -> str:
-    """What the page calls buffer ``b``: what it is attributed to (the model's line, else the
-    argument's pytree path, else its kind), as the legend spells a group of such buffers; never
-    XLA's name of the value.
-
-    Examples:
-        >>> b = Buffer("params__w__.1", 64, (16,), "f32", "argument", False, "p", "p", "", "",
-        ...            0, 9, 0, 0, 0, argument="params['w']")
-        >>> buffer_label(b)
-        "params['w']"
-    """
-    return spelled(_source_key(b, "line"), b.backward)
 
 
 def _buffer(b: Buffer, band: int | None) -> dict[str, Any]:

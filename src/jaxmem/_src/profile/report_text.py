@@ -11,7 +11,7 @@ from typing import Any
 from jaxmem._src import format as _fmt
 from jaxmem._src.format import format_bytes
 from jaxmem._src.listing import short_source
-from jaxmem._src.profile.timeline import group_label
+from jaxmem._src.profile.timeline import buffer_label, group_label
 
 # (field name, short label) of the compiled memory figures, in display order.
 MEMORY_FIELDS = (
@@ -136,7 +136,7 @@ def _peak_lines(report: Any, top: int = 8) -> list[str]:
     lines.append("largest buffers:")
     for buf in b.peak_buffers[:top]:
         kind = buf.kind + (" (loop state)" if buf.loop_state else "")
-        where = short_source(buf.source) if buf.source else (buf.op_name or buf.instruction)
+        where = buffer_label(buf)
         shape = f"{buf.dtype}{list(buf.shape)}"
         lines.append(f"  {format_bytes(buf.bytes):>11}  {shape:<22} {kind:<20} {where}")
     if b.host_peak_bytes:

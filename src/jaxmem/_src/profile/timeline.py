@@ -18,9 +18,9 @@ import os
 import numpy as np
 
 from jaxmem._src.listing import short_source
-from jaxmem._src.profile.buffers import FOLDS, Buffer, BufferGroup, BufferReport
+from jaxmem._src.profile.buffers import FOLDS, Buffer, BufferGroup, BufferReport, _source_key
 
-__all__ = ["StackedTimeline", "group_label", "stack_by_source"]
+__all__ = ["StackedTimeline", "buffer_label", "group_label", "spelled", "stack_by_source"]
 
 OTHER = "other"
 
@@ -38,6 +38,33 @@ def group_label(g: BufferGroup) -> str:
     path = g.key.split(" (", 1)[0].rsplit(":", 1)[0]
     key = short_source(g.key) if os.path.isabs(path) else g.key
     return f"{key}{' (backward)' if g.backward else ''}"
+
+
+def spelled(key: str, backward: bool = False) -> str:
+    """``key`` (a source line ``/dir/file.py:LINE (function)``, an argument's pytree path, a
+    group's key) spelled as the legend spells it: :func:`~jaxmem._src.profile.timeline.group_label`.
+
+    Examples:
+        >>> spelled("/src/model.py:12 (mlp)", backward=True)
+        'model.py:12 (mlp) (backward)'
+        >>> spelled("params['layers']['w1']")
+        "params['layers']['w1']"
+    """
+    return group_label(BufferGroup(key, 0, 0, backward, ()))
+
+
+def buffer_label(b: Buffer) -> str:
+    """What the page calls buffer ``b``: what it is attributed to (the model's line, else the
+    argument's pytree path, else its kind), as the legend spells a group of such buffers; never
+    XLA's name of the value.
+
+    Examples:
+        >>> b = Buffer("params__w__.1", 64, (16,), "f32", "argument", False, "p", "p", "", "",
+        ...            0, 9, 0, 0, 0, argument="params['w']")
+        >>> buffer_label(b)
+        "params['w']"
+    """
+    return spelled(_source_key(b, "line"), b.backward)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
