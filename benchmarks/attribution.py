@@ -175,7 +175,7 @@ def measure(model: Model, *, optimized: bool, grad: bool) -> dict[str, Any]:
     }
 
 
-FOLDS = ("line", "call", "function")
+FOLDS = ("line", "call", "function", "file")
 
 
 def viewer_other(b: jaxmem.BufferReport, bands: int = 6) -> tuple[str, float]:

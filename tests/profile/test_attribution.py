@@ -92,10 +92,11 @@ def test_diff_needs_two_named_reports():
 
 def test_folds_group_a_layers_lines_together(model):
     b = jaxmem.profile(jax.grad(model.loss), *model.args).buffers
-    for fold in ("line", "call", "function"):
+    folds = ("line", "call", "function", "file")
+    for fold in folds:
         assert sum(g.bytes for g in b.by_source(fold)) == b.peak_bytes
-    counts = [len(b.by_source(fold)) for fold in ("line", "call", "function")]
-    assert counts[0] >= counts[1] >= counts[2] and counts[0] > counts[2], counts
+    counts = [len(b.by_source(fold)) for fold in folds]
+    assert counts == sorted(counts, reverse=True) and counts[0] > counts[2] > counts[3], counts
     with pytest.raises(ValueError, match="fold"):
         b.by_source("module")
 

@@ -265,14 +265,17 @@ class BufferReport:
         """Peak buffers grouped by what they are attributed to, largest group first.
 
         The buffers of one group make a forward and a backward group when both passes keep
-        some (``backward``: their ``op_name`` has ``transpose(``).
+        some (``backward``: their ``op_name`` has ``transpose(``), but at the ``"function"``
+        and ``"file"`` folds an argument's buffers make one group (a weight's slice that the
+        backward pass reads is the weight).
 
         Args:
             fold: ``"line"``: the model's line that made them (else the argument's pytree
                 path); ``"call"``: the line in the user's own files that led there (a
                 framework layer's lines fold into the user's line that calls the layer);
                 ``"function"``: that line's function (a layer's lines fold together; arguments
-                by their path's first two keys, ``params['layers']``).
+                by their path's first two keys, ``params['layers']``); ``"file"``: that
+                line's file (arguments by their first key, ``params``).
 
         Examples:
             >>> import jax.numpy as jnp
@@ -282,7 +285,12 @@ class BufferReport:
         """
         if fold not in FOLDS:
             raise ValueError(f"by_source: fold={fold!r}; expected one of {FOLDS}")
-        return _groups(self.peak_buffers, lambda b: _source_key(b, fold))
+        whole_arguments = FOLDS.index(fold) >= FOLDS.index("function")
+        return _groups(
+            self.peak_buffers,
+            lambda b: _source_key(b, fold),
+            lambda b: b.backward and not (whole_arguments and b.argument and not b.source),
+        )
 
     def by_op_name(self, depth: int = 3) -> tuple[BufferGroup, ...]:
         """Peak buffers grouped by the first ``depth`` components of their ``op_name``.
@@ -319,7 +327,7 @@ class BufferReport:
 
 
 # How finely BufferReport.by_source groups, finest first.
-FOLDS = ("line", "call", "function")
+FOLDS = ("line", "call", "function", "file")
 
 
 def _source_key(b: Buffer, fold: str = "line") -> str:
@@ -332,9 +340,9 @@ def _source_key(b: Buffer, fold: str = "line") -> str:
             return user
         file, _, rest = user.partition(":")
         function = rest.partition(" ")[2]
-        return f"{file} {function}" if function else file
-    if b.argument and not b.source and fold == "function":
-        return _path_prefix(b.argument, 2)
+        return f"{file} {function}" if function and fold == "function" else file
+    if b.argument and not b.source and fold in ("function", "file"):
+        return _path_prefix(b.argument, 2 if fold == "function" else 1)
     return b.attribution or f"{b.kind}: no source"
 
 
@@ -358,10 +366,15 @@ def _op_name_parts(op_name: str) -> list[str]:
     return parts
 
 
-def _groups(buffers: tuple[Buffer, ...], key_of: Callable[[Buffer], str]):
+def _groups(
+    buffers: tuple[Buffer, ...],
+    key_of: Callable[[Buffer], str],
+    backward_of: Callable[[Buffer], bool] = lambda b: b.backward,
+):
     groups: dict[tuple[str, bool], list[Buffer]] = {}
     for b in buffers:
-        groups.setdefault((key_of(b), b.backward or "transpose(" in key_of(b)), []).append(b)
+        key = key_of(b)
+        groups.setdefault((key, backward_of(b) or "transpose(" in key), []).append(b)
     out = [
         BufferGroup(key, sum(b.bytes for b in bs), len(bs), backward, tuple(b.name for b in bs))
         for (key, backward), bs in groups.items()

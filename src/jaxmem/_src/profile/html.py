@@ -78,6 +78,7 @@ FOLD_NOTES = {
     "line": "bands by the model's line",
     "call": "bands by your line that called a framework's layer",
     "function": "bands by function (arguments by their first two keys)",
+    "file": "bands by file (arguments by their first key)",
 }
 
 

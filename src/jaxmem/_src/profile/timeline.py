@@ -120,7 +120,7 @@ def stack_by_source(
         report: a buffer assignment, read back.
         n_groups: how many of the largest groups at the peak get a band of their own.
         fold: how finely to group (:meth:`BufferReport.by_source`: ``"line"``, ``"call"``,
-            ``"function"``); by default the finest whose "other" band holds less than
+            ``"function"``, ``"file"``); by default the finest whose "other" band holds less than
             ``other_below`` of the peak (the coarsest where none does).
         other_below: the share of the peak the "other" band should stay below.
 
