@@ -31,6 +31,8 @@ from jaxmem._src.profile.buffers import BufferGroup as BufferGroup
 from jaxmem._src.profile.buffers import BufferReport as BufferReport
 from jaxmem._src.profile.compare import Comparison as Comparison
 from jaxmem._src.profile.compare import compare as compare
+from jaxmem._src.profile.diff import DiffRow as DiffRow
+from jaxmem._src.profile.diff import PeakDiff as PeakDiff
 from jaxmem._src.profile.report import MemoryReport as MemoryReport
 from jaxmem._src.profile.report import ProfileError as ProfileError
 from jaxmem._src.profile.report import Residual as Residual
@@ -77,6 +79,7 @@ __all__ = [
     "ChunkedTail",
     "Comparison",
     "Coupling",
+    "DiffRow",
     "Explanation",
     "Finding",
     "ForwardModeError",
@@ -85,6 +88,7 @@ __all__ = [
     "MemoryReport",
     "NAMES",
     "Optimized",
+    "PeakDiff",
     "PlannedResidual",
     "ProfileError",
     "RematPlan",

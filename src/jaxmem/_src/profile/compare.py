@@ -125,7 +125,7 @@ class Comparison:
             b: a label; default the one other label (required with three reports or more).
 
         Returns:
-            A :class:`~jaxmem._src.profile.diff.PeakDiff` (``.rows``, ``.added``, ``.freed``,
+            A :class:`jaxmem.PeakDiff` (``.rows``, ``.added``, ``.freed``,
             ``.common``; ``print`` it for a table).
 
         Raises:
