@@ -196,6 +196,8 @@ def compare(make_model, variant, mesh, axis_type, optimize=False):
     return results
 
 
+# Offload on CPU is the identity: its cases warn offload_noop, as a user's would.
+@pytest.mark.filterwarnings("ignore:offload_noop:jaxmem.LintWarning")
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("model", sorted(MODELS))
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
@@ -238,6 +240,8 @@ def shard_map_fsdp(scan):
     return local, args, (P(None, "data", None), P(), P("data", None))
 
 
+# Offload on CPU is the identity: its cases warn offload_noop, as a user's would.
+@pytest.mark.filterwarnings("ignore:offload_noop:jaxmem.LintWarning")
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_scan_inside_shard_map_equals_stock(variant):
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
@@ -290,6 +294,8 @@ def _fsdp_offloaded(mesh):
     return loss, structs, kinds.count("stacked") + kinds.count("carry")
 
 
+# Offload on CPU is the identity: its cases warn offload_noop, as a user's would.
+@pytest.mark.filterwarnings("ignore:offload_noop:jaxmem.LintWarning")
 def test_offload_keeps_sharding_in_pinned_host_explicit():
     """Under an Explicit mesh the placements are in the types: every value moved to the host
     keeps the sharding of the value it moves (the batch-sharded carry stays split over 'data')."""
@@ -310,6 +316,8 @@ def test_offload_keeps_sharding_in_pinned_host_explicit():
     assert ("data", None) in [tuple(b.sharding.spec) for _, b in to_host]
 
 
+# Offload on CPU is the identity: its cases warn offload_noop, as a user's would.
+@pytest.mark.filterwarnings("ignore:offload_noop:jaxmem.LintWarning")
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
 def test_offload_sharded_step_exports_host_placements_for_cuda(axis_type):
     """The sharded training step lowered for cuda (no GPU needed) carries the host placements:

@@ -76,6 +76,8 @@ def test_bodies_are_varied():
     assert 20 <= sum(b.prevent_cse for b in with_policy) <= len(with_policy) - 20
 
 
+# A random body may return a constant as its y (seeds 50, 145): it warns stacked_params.
+@pytest.mark.filterwarnings("ignore:stacked_params:jaxmem.LintWarning")
 @pytest.mark.sampled
 @pytest.mark.parametrize("seed", range(N_BODIES))
 def test_random_body_is_not_above_stock(seed):
