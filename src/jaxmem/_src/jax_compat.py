@@ -188,14 +188,14 @@ def remat3_params(eqn):
     None.
     With ``jax_remat3`` on (0.10.2 and 0.12), ``jax.checkpoint`` stages a hijax primitive,
     ``call_hi_primitive[_prim=RematTraced]``, in place of ``remat2``; its ``jaxpr`` is the
-    function checkpointed, ``prevent_cse`` a bool or one per input. Private:
-    ``jax._src.ad_checkpoint.RematTraced`` (read by its class name and attributes)."""
+    function checkpointed, ``prevent_cse`` a bool or one per input (0.10.2's has none: True, the
+    default). Private: ``jax._src.ad_checkpoint.RematTraced`` (by class name and attributes)."""
     if eqn.primitive.name != "call_hi_primitive":
         return None
     prim = eqn.params.get("_prim")
     if type(prim).__name__ != "RematTraced":
         return None
-    return prim.jaxpr, prim.policy, prim.prevent_cse
+    return prim.jaxpr, prim.policy, getattr(prim, "prevent_cse", True)
 
 
 def eqn_checkpoint_name(eqn) -> str | None:

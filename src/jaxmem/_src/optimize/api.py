@@ -3,6 +3,7 @@ through a library), with no change to its code."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from jaxmem._src.optimize import intercept as _intercept
 from jaxmem._src.optimize import rewrite as _rw
 from jaxmem._src.remat import remat_plan as _remat_plan
 from jaxmem._src.scan import api as _scan_api
+from jaxmem._src.scan import findings as _findings
 from jaxmem._src.scan import options as _opts
 
 
@@ -278,12 +280,16 @@ class Optimized:
         if setting == _budget.AS_WRITTEN:
             computed, tree, static = _split_outputs(self._fn(*args, **kwargs))
             return computed, (tree, static)
-        closed, arrays, outputs = self._traced(args, kwargs, self._rewriter(setting))
-        rewriter = self._rewriter(setting)
-        run = lambda *a: rewriter.eval_closed(closed, a)
-        if self._chunk_loss:
-            run = _autochunk.autochunk(run)
-        return run(*arrays), outputs
+        # A budget's other settings are jaxmem's choices, not the user's: their loops report
+        # nothing (jaxmem.lint, LintWarning). The default runs the options as the user gave them.
+        quiet = _findings.collecting() if setting != _DEFAULT else contextlib.nullcontext()
+        with quiet:
+            closed, arrays, outputs = self._traced(args, kwargs, self._rewriter(setting))
+            rewriter = self._rewriter(setting)
+            run = lambda *a: rewriter.eval_closed(closed, a)
+            if self._chunk_loss:
+                run = _autochunk.autochunk(run)
+            return run(*arrays), outputs
 
     def _planned(self, args, kwargs):
         """The budget's plan for these arguments' signature: ``(BudgetPlan, Setting)``, planned

@@ -37,10 +37,13 @@ class Setting:
     Attributes:
       policy: the remat policy of each step (None: no ``jax.checkpoint`` at all).
       checkpoints: the ``checkpoints=`` of each ``"auto"`` scan that does not set its own.
+      trial: a candidate being measured (the planner's), not a plan the user applies: the
+        loops report no finding of its policy (``jaxmem.lint``, ``LintWarning``).
     """
 
     policy: Callable | None
     checkpoints: int | str | None = None
+    trial: bool = False
 
 
 _STATE = _jc.trace_keyed_state(
@@ -87,6 +90,12 @@ def resolve(policy: Any, fname: str) -> Any:
         stacklevel=4,
     )
     return None
+
+
+def in_trial() -> bool:
+    """Whether ``"auto"`` means a candidate being measured (:attr:`Setting.trial`)."""
+    active = current()
+    return active is not None and active.trial
 
 
 def resolve_checkpoints(policy: Any, checkpoints: Any) -> Any:

@@ -104,7 +104,8 @@ class _Search:
 
     def compile(self, cand: Candidate, *, for_running: bool = False):
         options = _FAST_COMPILE if self.fast and not for_running else None
-        with _auto.use_setting(cand.setting()):
+        setting = cand.setting() if for_running else dataclasses.replace(cand.setting(), trial=True)
+        with _auto.use_setting(setting):
             return jax.jit(self.grad_fn).lower(*self.args).compile(options)
 
     def measure(self, cand: Candidate) -> tuple[int, float]:

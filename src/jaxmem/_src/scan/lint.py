@@ -22,6 +22,7 @@ import jax
 
 from jaxmem._src import format as _format
 from jaxmem._src import jax_compat as _jc
+from jaxmem._src.remat import auto as _auto
 from jaxmem._src.remat import policy_checks as _policy_checks
 from jaxmem._src.scan import findings as _findings
 
@@ -90,6 +91,8 @@ def check_loop(loop, opts, site) -> None:
     ys = [v.aval for v in jaxpr.outvars[n_carry:]]
     found = stacked_inputs(body.jaxpr, n_consts, n_carry, exact_xs=False)
     report_stacked(found, len(ys), loop.length, ys, site, f"this {opts.fname} step")
+    if _auto.is_auto(opts.policy) and _auto.in_trial():  # the planner's candidate, not the user's
+        return
     for issue, at in _policy_checks.check_remats(jaxpr):
         report_issue(issue, site if at is None else _findings.eqn_site(at))
 
