@@ -396,6 +396,25 @@ def test_lint_never_warns_and_checks_a_non_scalar_program_by_tracing_only():
         assert [f.kind for f in jaxmem.lint(both, *args)] == ["name_unmatched"]
 
 
+def test_an_option_of_optimize_warns_at_the_users_loop():
+    # optimize runs the user's lax.scan as jaxmem.scan with its options: the loop's line is named.
+    args = _args()
+
+    def loss(w, xs, h0):
+        step = lambda h, x: (jnp.tanh(h @ w + x),) * 2
+        _, ys = jax.lax.scan(step, h0, xs)  # SITE:optimize
+        return jnp.sum(ys**2)
+
+    caught = _lint_warnings(jaxmem.optimize(loss, compress="int8"), *args)
+    assert [(Path(w.filename).resolve(), w.lineno) for w in caught] == [
+        (THIS, _line("SITE:optimize"))
+    ]
+    found = jaxmem.lint(jaxmem.optimize(loss, compress="int8"), *args)
+    assert [(f.kind, f.subject, f.where) for f in found] == [
+        ("option_noop", "compress='int8'", _where("SITE:optimize", "loss"))
+    ]
+
+
 def test_a_finding_is_frozen_and_prints_its_line():
     f = jaxmem.Finding("option_noop", "saves nothing", "a.py:3 (f)", "compress='int8'")
     assert str(f) == "a.py:3 (f): option_noop: compress='int8' saves nothing"
