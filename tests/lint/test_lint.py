@@ -106,6 +106,21 @@ def cast_weights_forward(return_weights: bool):
     return forward
 
 
+def weights_as_ys_loss(return_weights: bool):
+    """MaxText #4964's shape: a layer stack whose step returns its weights (cast to bf16) as ys,
+    which the loss reads: the gradient holds a second stack of the weights in its temp."""
+
+    def loss(ws, h0):
+        def step(h, w):
+            return jnp.tanh(h @ w), w.astype(jnp.bfloat16) if return_weights else None
+
+        h, wys = jaxmem.scan(step, h0, ws)  # SITE:stacked_params_loss
+        extra = jnp.mean(wys.astype(jnp.float32) ** 2) if return_weights else 0.0
+        return jnp.sum(h**2) + extra
+
+    return loss
+
+
 def rnn_loss(compress):
     """An RNN whose loss reads every ys: its gradient keeps nothing but those ys."""
 
@@ -162,6 +177,19 @@ def test_stacked_params_a_step_returning_its_weights():
     assert [(f.kind, f.subject) for f in found] == [("stacked_params", "ys")]
     assert found[0].where == _where("SITE:stacked_params", "forward")
     assert jaxmem.lint(cast_weights_forward(False), ws, h0) == ()
+
+
+def test_stacked_params_held_in_the_gradients_temp():
+    ws, (_, _, h0) = _weights(), _args()
+    with_ys = _memory(weights_as_ys_loss(True), ws, h0)
+    without = _memory(weights_as_ys_loss(False), ws, h0)
+    # The gradient's temp holds the bf16 stack of the weights (and what the loss computes of it).
+    assert with_ys.temp_size_in_bytes - without.temp_size_in_bytes >= L * D * D * 2
+    found = jaxmem.lint(weights_as_ys_loss(True), ws, h0)
+    assert [(f.kind, f.subject) for f in found] == [("stacked_params", "ys")]
+    assert found[0].where == _where("SITE:stacked_params_loss", "loss")
+    assert found[0].message.startswith("ys of this jaxmem.scan step is the step's xs slice")
+    assert jaxmem.lint(weights_as_ys_loss(False), ws, h0) == ()
 
 
 def test_option_noop_compress_with_nothing_to_encode():
@@ -416,7 +444,12 @@ def test_an_option_of_optimize_warns_at_the_users_loop():
 
 
 def test_a_finding_is_frozen_and_prints_its_line():
-    f = jaxmem.Finding("option_noop", "saves nothing", "a.py:3 (f)", "compress='int8'")
+    f = jaxmem.Finding(
+        "option_noop", "compress='int8' saves nothing", "a.py:3 (f)", "compress='int8'"
+    )
     assert str(f) == "a.py:3 (f): option_noop: compress='int8' saves nothing"
+    # What lint finds reads as a sentence, its subject first.
+    (found,) = jaxmem.lint(rnn_loss("int8"), *_args())
+    assert found.message.startswith("compress='int8' ") and str(found).endswith(found.message)
     with pytest.raises(AttributeError):
         f.kind = "x"

@@ -60,7 +60,8 @@ class Finding:
     Attributes:
       kind: one of ``"name_unmatched"``, ``"offload_noop"``, ``"stacked_params"``,
         ``"option_noop"``.
-      message: what the setting fails to do, and what to do instead.
+      message: one sentence, the subject first: what the setting fails to do, and what to do
+        instead.
       where: the user's source line, ``file:line (function)``, of the call that gave the setting
         (a ``jaxmem.scan``, a ``jax.checkpoint``, a ``lax.scan``); ``"(unknown)"`` where no
         frame of the user's is known.
@@ -68,7 +69,8 @@ class Finding:
         ``"ys[0]"``).
 
     Examples:
-      >>> f = Finding("option_noop", "saves nothing", "loss.py:3 (loss)", "compress='int8'")
+      >>> f = Finding("option_noop", "compress='int8' saves nothing", "loss.py:3 (loss)",
+      ...             "compress='int8'")
       >>> print(f)
       loss.py:3 (loss): option_noop: compress='int8' saves nothing
     """
@@ -79,7 +81,7 @@ class Finding:
     subject: str = ""
 
     def __str__(self) -> str:
-        return f"{self.where}: {self.kind}: {self.subject} {self.message}".replace("  ", " ")
+        return f"{self.where}: {self.kind}: {self.message}"
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -154,12 +156,13 @@ def report(kind: str, subject: str, message: str, site: Site | str | None) -> No
     :func:`collecting` is active, else warned as a :class:`LintWarning` located at the user's
     line."""
     assert kind in KINDS, kind
+    message = f"{subject} {message}" if subject else message  # one sentence, the subject first
     finding = Finding(kind, message, str(site) if site else "(unknown)", subject)
     collectors = _COLLECTORS.get()
     if collectors:
         collectors[-1].append(finding)
         return
-    text = f"{kind}: {subject} {message}" if subject else f"{kind}: {message}"
+    text = f"{kind}: {message}"
     text += " (silence with warnings.simplefilter('ignore', jaxmem.LintWarning))"
     filename, lineno = (site.file, site.line) if isinstance(site, Site) else ("jaxmem", 0)
     warnings.warn_explicit(
