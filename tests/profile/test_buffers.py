@@ -306,17 +306,17 @@ def test_unknown_module(tmp_path):
 def test_metadata_sources_both_forms():
     from jaxmem._src.frames import Frame  # noqa: PLC0415
     from jaxmem._src.profile.buffers import _op_name_parts  # noqa: PLC0415
-    from jaxmem._src.profile.xla_dump import _metadata, _source  # noqa: PLC0415
+    from jaxmem._src.profile.xla_dump import _frames, _metadata  # noqa: PLC0415
 
     chains = {3: (Frame("/a/f.py", 7, "loss"), Frame("/a/t.py", 2, "<module>"))}
     attrs = ', index=2, metadata={op_name="jit(f)/transpose(jvp())/sin" stack_frame_id=3}'
     meta = _metadata(attrs)
     assert meta["op_name"] == "jit(f)/transpose(jvp())/sin"
-    assert _source(meta, chains) == "/a/f.py:7 (loss)"
+    assert [str(f) for f in _frames(meta, chains)] == ["/a/f.py:7 (loss)", "/a/t.py:2 (<module>)"]
     # The older inline form: the innermost user frame's file and line, no function.
     inline = _metadata(' metadata={op_name="a/b" source_file="/a/f.py" source_line=12}')
-    assert _source(inline, {}) == "/a/f.py:12"
-    assert _source(_metadata(""), chains) == ""
+    assert [str(f) for f in _frames(inline, {})] == ["/a/f.py:12"]
+    assert _frames(_metadata(""), chains) == ()
     assert _op_name_parts("jit(f)/transpose(jvp(g/h))/while/body") == [
         "jit(f)",
         "transpose(jvp(g/h))",

@@ -20,6 +20,7 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxmem._src import jax_compat as _jc
+from jaxmem._src.frames import in_a_package
 from jaxmem._src.scan import api as _scan_api
 
 # The equations the evaluator walks into (Rewriter._eqn re-emits each); a scan under any other
@@ -226,7 +227,7 @@ def _sources(source_info) -> tuple[str, str]:
     Equinox's) that led to it when they differ."""
     source = _jc.summarize_source(source_info)
     frames = _jc.user_frames(source_info)
-    caller = next((f for f in frames if not _in_a_package(f.file_name)), None)
+    caller = next((f for f in frames if not in_a_package(f.file_name)), None)
     if caller is None or caller is frames[0]:
         return source, ""
     return source, f"{caller.file_name}:{caller.start_line} ({caller.function_name})"
@@ -255,11 +256,6 @@ def jaxmem_own(path: str) -> bool:
 
 _OPTIMIZE = str(pathlib.Path(__file__).resolve().parent)
 _THIS_FILE = os.path.realpath(__file__)
-
-
-def _in_a_package(path: str) -> bool:
-    parts = pathlib.PurePath(path).parts
-    return "site-packages" in parts or "dist-packages" in parts or path.startswith(_JAXMEM)
 
 
 def left_alone(jaxpr) -> list[tuple[str, str]]:

@@ -215,12 +215,6 @@ def _frames(meta: dict[str, str], chains: dict[int, tuple[Frame, ...]]) -> tuple
     return ()
 
 
-def _source(meta: dict[str, str], chains: dict[int, tuple[Frame, ...]]) -> str:
-    """``"file:line (function)"`` of an instruction's innermost frame, ``""`` if none."""
-    frames = _frames(meta, chains)
-    return str(frames[0]) if frames else ""
-
-
 def _skip_shape(rest: str) -> str:
     """The text of an instruction after its shape: a tuple ``(...)`` or one token."""
     if rest.startswith("("):
