@@ -443,6 +443,15 @@ def test_an_option_of_optimize_warns_at_the_users_loop():
     ]
 
 
+def test_bad_input_is_a_clear_error():
+    with pytest.raises(TypeError, match=r"jaxmem.lint: fn must be callable"):
+        jaxmem.lint(None, jnp.ones(3))
+    with pytest.raises(TypeError, match=r"jaxmem.lint: .*args\[1\]\['w'\]"):
+        jaxmem.lint(lambda x, p: x, jnp.ones(3), {"w": "not an array"})
+    with pytest.raises(TypeError, match=r"jaxmem.lint: .*kwargs\['scale'\]"):
+        jaxmem.lint(lambda x, scale: x * scale, jnp.ones(3), scale=object())
+
+
 def test_a_finding_is_frozen_and_prints_its_line():
     f = jaxmem.Finding(
         "option_noop", "compress='int8' saves nothing", "a.py:3 (f)", "compress='int8'"

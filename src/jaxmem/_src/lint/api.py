@@ -65,6 +65,10 @@ def lint(fn: Callable, *args: Any, **kwargs: Any) -> tuple[Finding, ...]:
       The findings, without repeats, in the order found (the program's own first, then its
       gradient's); empty for a program whose every setting acts.
 
+    Raises:
+      TypeError: ``fn`` is not callable, or an argument leaf cannot be traced (the message gives
+        its pytree path, e.g. ``args[1]['w']``).
+
     Examples:
       >>> import jax, jax.numpy as jnp
       >>> import jaxmem
@@ -80,6 +84,8 @@ def lint(fn: Callable, *args: Any, **kwargs: Any) -> tuple[Finding, ...]:
       ()
     """
     checks.check_callable(fn, "fn", "jaxmem.lint")
+    checks.check_traceable(args, "args", "jaxmem.lint")
+    checks.check_traceable(kwargs, "kwargs", "jaxmem.lint")
     with _findings.collecting() as found:
         with _hooks.linting():
             closed = jax.make_jaxpr(fn)(*args, **kwargs)
