@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING as _TYPE_CHECKING
 from jaxmem import losses as losses
 from jaxmem import offload as offload
 from jaxmem import policies as policies
+from jaxmem._src.attention.api import attention as attention
 from jaxmem._src.chunking.autochunk import AutoChunked as AutoChunked
 from jaxmem._src.chunking.autochunk import ChunkedTail as ChunkedTail
 from jaxmem._src.chunking.autochunk import ChunkReport as ChunkReport
@@ -96,6 +97,7 @@ __all__ = [
     "ScanReport",
     "ScanResiduals",
     "StepCounter",
+    "attention",
     "autochunk",
     "chunked",
     "clear_caches",

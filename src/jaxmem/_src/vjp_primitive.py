@@ -89,10 +89,17 @@ class _VJPPrimitive(_jc.HiPrimitive):
         return tuple(self._bwd(res, ct))
 
     def jvp(self, primals, tangents):
+        # The primal outputs and residuals by ``fwd``; the tangents by a linear primitive that
+        # forward mode evaluates as the JVP of ``fun`` and reverse mode transposes by ``bwd``
+        # (inside ``jax.checkpoint``, or a loop's step, JAX differentiates by JVP and
+        # transposes the tangent part: ``fun``'s own JVP may not transpose, its loops' dynamic
+        # bounds say, and would keep every iteration's values if it did).
         tangents = jax.tree.map(
             _jc.instantiate_tangent, primals, tangents, is_leaf=_jc.is_symbolic_zero
         )
-        return jax.jvp(self._fun, tuple(primals), tuple(tangents))
+        out, res = self._fwd(*primals)
+        tangent = _Tangent(self, tuple(primals), res, tuple(tangents))
+        return out, tangent(tuple(primals), res, tuple(tangents))
 
     lin, linearized = _jc.LINEARIZE_FROM_JVP
 
@@ -128,6 +135,30 @@ class _VJPPrimitive(_jc.HiPrimitive):
             args,
         )  # fmt: skip
         return batched(*args), out_dims
+
+
+class _Tangent(_jc.HiPrimitive):
+    """The tangent map of a :class:`_VJPPrimitive` at its primals: evaluated as the JVP of its
+    function, transposed by its ``bwd`` on the residuals ``fwd`` gave."""
+
+    def __init__(self, owner, primals, res, tangents):
+        self.in_avals = jax.tree.map(jax.typeof, (primals, res, tangents))
+        self.out_aval = owner.out_aval
+        self.params = dict(name=f"{owner.name}_tangent", _owner=owner)
+        super().__init__()
+
+    def expand(self, primals, res, tangents):
+        return jax.jvp(self._owner._fun, primals, tangents)[1]
+
+    def transpose(self, out_ct, primals, res, tangents):
+        del primals
+        _jc.accumulate_cotangents(tangents, self._owner.vjp_bwd_retval(res, out_ct))
+
+    def batch(self, axis_data, args, dims):
+        # Forward mode over a batch of tangents (jax.jacfwd): the JVP, vmapped.
+        params = _jc.vmap_axis_params(axis_data)
+        out = jax.vmap(self.expand, in_axes=dims, out_axes=0, **params)(*args)
+        return out, jax.tree.map(lambda _: 0, out)
 
 
 @functools.cache

@@ -17,6 +17,7 @@ from jaxmem._src import checks
 from jaxmem._src import jax_compat as _jc
 from jaxmem._src.chunking import autochunk as _autochunk
 from jaxmem._src.frames import is_model_file
+from jaxmem._src.optimize import attention_swap as _attention_swap
 from jaxmem._src.optimize import budget as _budget
 from jaxmem._src.optimize import intercept as _intercept
 from jaxmem._src.optimize import rewrite as _rw
@@ -111,9 +112,12 @@ class Explanation:
 
     scans: tuple[ScanReport, ...]
     budget: _budget.BudgetPlan | None = None  # the budget's plan (optimize(..., budget=...))
+    # chunk_tokens=True: one line per attention run blocked and per token-wise region chunked.
+    chunked: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         lines = [str(s) for s in self.scans] or ["no scan found: the function runs unchanged"]
+        lines += self.chunked
         if self.budget is not None:
             lines.append(str(self.budget))
         return "\n".join(lines)
@@ -201,8 +205,10 @@ class Optimized:
         options_key: str | None = None,
         plan: Any = None,
         op_names: bool = False,
+        chunk_tokens: bool = False,
     ):
         self._fn = fn
+        self._chunk_tokens = chunk_tokens
         self._plan = plan  # a jaxmem.RematPlan applied to every scan (policy="auto"), or None
         self._op_names = op_names  # the steps' values named by op kind (rewrite.op_kind)
         self._options_key = options_key  # the options as given, for sharing a budget's trials
@@ -221,9 +227,13 @@ class Optimized:
         split = _Split.of(args, kwargs)
         outputs = []
 
+        swap = contextlib.nullcontext()
+        if caught.tokens is not None:
+            swap = _attention_swap.swapping(caught.tokens.attentions)
+
         def flat(*arrays):
             a, k = split.merge(arrays)
-            with _intercept.catching(caught):
+            with _intercept.catching(caught), swap:
                 result = self._fn(*a, **k)
             computed, t, static = _split_outputs(result)
             outputs.append((t, static))
@@ -263,6 +273,10 @@ class Optimized:
             self._options, op_names=self._op_names, decide=setting.decision(self._options), **kw
         )
 
+    def _tokens(self) -> _rw.Tokens | None:
+        """What one trace and its evaluation share under ``chunk_tokens=True``."""
+        return _rw.Tokens() if self._chunk_tokens else None
+
     def _scan_sources(self, args, kwargs) -> list[str]:
         """Where the function's outermost scans are called (one trace), in the order met; not
         those with no source (a scan JAX binds again, as under a ``jax.checkpoint`` of the
@@ -284,11 +298,15 @@ class Optimized:
         # nothing (jaxmem.lint, LintWarning). The default runs the options as the user gave them.
         quiet = _findings.collecting() if setting != _DEFAULT else contextlib.nullcontext()
         with quiet:
-            closed, arrays, outputs = self._traced(args, kwargs, self._rewriter(setting))
-            rewriter = self._rewriter(setting)
+            tokens = self._tokens()
+            caught = self._rewriter(setting, tokens=tokens)
+            closed, arrays, outputs = self._traced(args, kwargs, caught)
+            rewriter = self._rewriter(setting, tokens=tokens)
             run = lambda *a: rewriter.eval_closed(closed, a)
             if self._chunk_loss:
                 run = _autochunk.autochunk(run)
+            elif self._chunk_tokens:  # a loss's tail the regions did not take (see explain)
+                run = _autochunk.autochunk(run, warn=False)
             return run(*arrays), outputs
 
     def _planned(self, args, kwargs):
@@ -360,7 +378,8 @@ class Optimized:
         # step are not listed apart).
         options = lambda found: setting.for_source(found.source).options(self._options)(found)
         measure = lambda found: reports.extend(_measured([found], options))
-        caught = self._rewriter(setting, on_found=measure)
+        tokens = self._tokens()
+        caught = self._rewriter(setting, on_found=measure, tokens=tokens)
         closed, arrays, _ = self._traced(args, kwargs, caught)
         rewriter = _rw.Rewriter(self._options, rewrite=False)
         outer = []
@@ -386,7 +405,22 @@ class Optimized:
         ]
         for source, why in _rw.left_alone(_jc.open_jaxpr(closed)):
             reports.append(ScanReport(source, 0, False, why))
-        return Explanation(tuple(reports), plan)
+        return Explanation(tuple(reports), plan, self._chunk_report(tokens, closed, arrays))
+
+    def _chunk_report(self, tokens, closed, arrays) -> tuple[str, ...]:
+        """Under ``chunk_tokens=True``: the attentions run blocked and the regions chunked (the
+        function evaluated once more, abstractly, to find the regions of its own jaxpr)."""
+        if tokens is None:
+            return ()
+        rewriter = _rw.Rewriter(self._options, tokens=tokens)
+        jax.eval_shape(lambda *a: rewriter.eval_closed(closed, a), *arrays)
+        lines = [f"attention at {where}: blocked ({t} x {s})" for t, s, where in tokens.attentions]
+        if not tokens.attentions:
+            lines.append(
+                "chunk_tokens: no jax.nn.dot_product_attention call on the XLA path: no "
+                "sequence length to chunk over, nothing chunked"
+            )
+        return (*lines, *(f"chunked: {c}" for c in dict.fromkeys(tokens.chunked)))
 
 
 def _runs_as(setting: _budget.Setting) -> str:
@@ -515,6 +549,7 @@ def optimize(
     budget: int | float | str | None = None,
     objective: str = "flops",
     plan: Any = None,
+    chunk_tokens: bool = False,
 ):
     """``fn`` with every ``lax.scan`` it runs replaced by :func:`jaxmem.scan`, its code unchanged.
 
@@ -554,6 +589,13 @@ def optimize(
       plan: a :class:`jaxmem.RematPlan` from :func:`jaxmem.plan` for every scan (run as
         ``policy="auto"`` stacks under it; a plan of unmodified code names the steps' values by
         op kind, as it was planned).
+      chunk_tokens: long context (docs/long_context.md): each ``jax.nn.dot_product_attention``
+        on its XLA path (Flax's ``nnx.dot_product_attention`` and ``nnx.MultiHeadAttention``
+        without dropout or sown weights included) runs as :func:`jaxmem.attention`, and every
+        token-wise region (norms, projections, the MLP, the LM head and its loss: the
+        equations that map each position on its own) whose largest intermediate is over 4 MiB
+        runs in chunks of tokens, its gradient recomputing each chunk; the gradient's temp then
+        grows linearly with the sequence length. ``explain`` lists what was chunked.
 
     Returns:
       An :class:`Optimized` function with ``fn``'s signature and ``.explain(*args, **kwargs)``.
@@ -610,10 +652,16 @@ def optimize(
             )
         given["policy"] = "auto"  # every scan as a policy="auto" stack, resolved by the plan
     budget = _check_budget(budget, objective, policy, checkpoints, options, fname)
+    if not isinstance(chunk_tokens, bool):
+        raise TypeError(f"{fname}: chunk_tokens must be True or False, got {chunk_tokens!r}")
+    if chunk_tokens:
+        options_key = None if options_key is None else options_key + " chunk_tokens"
 
     def make(f):
         checks.check_callable(f, "fn", fname)
         op_names = plan is not None and plan.op_names
-        return Optimized(f, choose, chunk_loss, budget, objective, options_key, plan, op_names)
+        return Optimized(
+            f, choose, chunk_loss, budget, objective, options_key, plan, op_names, chunk_tokens
+        )
 
     return make if fn is None else make(fn)

@@ -20,6 +20,7 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxmem._src import jax_compat as _jc
+from jaxmem._src.chunking import tokens as _tokens
 from jaxmem._src.frames import in_a_package
 from jaxmem._src.scan import api as _scan_api
 
@@ -40,6 +41,30 @@ class Found:
     unroll: int | bool = 1
     init: tuple = ()
     xs: tuple = ()
+
+
+@dataclasses.dataclass
+class Tokens:
+    """What ``chunk_tokens=True`` shares between a trace and its evaluations: the lengths of
+    the attentions swapped (:mod:`~jaxmem._src.optimize.attention_swap`: ``(T, S)`` each, and
+    where), and what was chunked (``chunked``: one line per region, for ``explain``)."""
+
+    attentions: list = dataclasses.field(default_factory=list)
+    chunk_bytes: int = _tokens.DEFAULT_CHUNK_BYTES
+    chunked: list = dataclasses.field(default_factory=list)
+    _regions: dict = dataclasses.field(default_factory=dict)  # id(jaxpr) -> (jaxpr, regions)
+
+    @property
+    def lengths(self) -> set[int]:
+        return {n for t, s, _ in self.attentions for n in (t, s)}
+
+    def regions(self, jaxpr) -> list:
+        key = id(jaxpr)
+        if key not in self._regions or self._regions[key][0] is not jaxpr:
+            found = _tokens.find_regions(jaxpr, sorted(self.lengths), self.chunk_bytes)
+            self._regions[key] = (jaxpr, found)
+            self.chunked.extend(_tokens.describe(jaxpr, r, self.chunk_bytes) for r in found)
+        return self._regions[key][1]
 
 
 @dataclasses.dataclass
@@ -69,6 +94,8 @@ class Rewriter:
     # recomputes). ``options(found)``: the keyword arguments of the loop. None: ("jaxmem",
     # "keep", ``options``) for every scan.
     decide: Callable[[Found], tuple[str, str, Callable]] | None = None
+    # chunk_tokens=True: the token-wise regions of every jaxpr evaluated run in chunks of tokens.
+    tokens: Tokens | None = None
     _kinds: dict = dataclasses.field(default_factory=dict)  # op kind -> values named so far
     _now: tuple | None = None  # the decision of the scan whose step is being evaluated
     _outer: int = 0  # scans met outside any scan's body so far
@@ -83,6 +110,11 @@ class Rewriter:
             with _jc.eqn_context(eqn):
                 return self._eqn(eqn, invals)
 
+        regions = [] if self.tokens is None or not self.rewrite else self.tokens.regions(jaxpr)
+        if regions:
+            chunk_bytes = self.tokens.chunk_bytes
+            run = lambda r, invals: _tokens.run_region(jaxpr, r, invals, chunk_bytes, "tokens")
+            return _tokens.evaluate(jaxpr, consts, args, regions, apply, run)
         return _jc.eval_eqns(jaxpr, consts, args, apply)
 
     def _sub(self, jaxpr_like) -> Callable:

@@ -1,0 +1,1 @@
+"""Memory-efficient attention: :func:`jaxmem.attention`."""

@@ -1,0 +1,270 @@
+""":func:`attention`: :func:`jax.nn.dot_product_attention`'s values and gradients without its
+``[B, N, T, S]`` logits (:mod:`.blocks` computes it block by block)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmem._src import vjp_primitive as _vjp_primitive
+from jaxmem._src.attention import blocks as _blocks
+
+NAME = "attention"  # the primitive's name in a jaxpr (jax >= 0.11)
+_CALLER = "jaxmem.attention"
+# A block's logits [B, N, bq, bk] in float32 stay under this many bytes (a few live at once);
+# blocks are powers of two from _MIN_BLOCK to _MAX_BLOCK rows.
+_BLOCK_BYTES = 8 * 2**20
+_MIN_BLOCK = 64
+_MAX_BLOCK = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What :func:`attention` computes, checked once: the static half of a call."""
+
+    scale: float
+    is_causal: bool
+    window: tuple[int, int] | None
+    block_q: int
+    block_k: int
+
+    def geometry(self, t: int, s: int, masked_rows: bool) -> _blocks.Geometry:
+        # Leaving out blocks no query sees is exact only where every row keeps a key: a row
+        # masked whole is jax.nn's average over every key, the left-out ones included.
+        limited = self.is_causal or self.window is not None
+        skip = limited and not masked_rows and (self.window is None or self.is_causal or t <= s)
+        return _blocks.Geometry(
+            t, s, self.block_q, self.block_k, self.is_causal, self.window, skip, self.scale
+        )
+
+
+def default_block(length: int, batch_heads: int) -> int:
+    """The block size along a sequence of ``length`` for ``batch_heads`` = B * N logit rows
+    per query: the largest power of two up to 512 (and to the length, rounded up) whose square
+    block of logits fits 8 MiB in float32, at least 64.
+
+    Examples:
+      >>> default_block(4096, 4), default_block(100, 4), default_block(4096, 256)
+      (512, 128, 64)
+    """
+    block = _MAX_BLOCK
+    while block > _MIN_BLOCK and block // 2 >= length:
+        block //= 2
+    while block > _MIN_BLOCK and batch_heads * block * block * 4 > _BLOCK_BYTES:
+        block //= 2
+    return block
+
+
+def _check_arrays(q, k, v, bias, mask, q_len, kv_len) -> None:
+    b, s, kh, h = k.shape
+    if v.shape[:3] != (b, s, kh):
+        raise ValueError(
+            f"{_CALLER}: value's shape {v.shape} must be [B, S, K, H] = key's {k.shape}"
+        )
+    if q.shape[0] != b or q.shape[-1] != h:
+        raise ValueError(
+            f"{_CALLER}: query's shape {q.shape} must be [B, T, N, H] with key's B={b} and H={h}"
+        )
+    if q.shape[2] % kh:
+        raise ValueError(
+            f"{_CALLER}: the number of query heads ({q.shape[2]}) must be a multiple of key/value "
+            f"heads ({kh})"
+        )
+    if q.dtype != k.dtype or v.dtype != k.dtype:
+        raise ValueError(
+            f"{_CALLER}: query, key and value must share a dtype, got {q.dtype}, {k.dtype}, "
+            f"{v.dtype}"
+        )
+    _check_logit_arrays(bias, mask, (b, q.shape[2], q.shape[1], s))
+    for name, x in (("query_seq_lengths", q_len), ("key_value_seq_lengths", kv_len)):
+        if x is not None and (x.shape != (b,) or not jnp.issubdtype(x.dtype, jnp.integer)):
+            raise ValueError(f"{_CALLER}: {name} must be an integer array of shape ({b},)")
+
+
+def _check_logit_arrays(bias, mask, full: tuple) -> None:
+    for name, x in (("bias", bias), ("mask", mask)):
+        if x is None:
+            continue
+        if x.ndim != 4 or any(d not in (1, f) for d, f in zip(x.shape, full, strict=True)):
+            raise ValueError(
+                f"{_CALLER}: {name}'s shape {x.shape} must broadcast to [B, N, T, S] = {full}"
+            )
+    if mask is not None and mask.dtype != np.bool_:
+        raise ValueError(f"{_CALLER}: mask must be boolean, got {mask.dtype}")
+
+
+def window_of(local_window_size) -> tuple[int, int] | None:
+    if local_window_size is None:
+        return None
+    if isinstance(local_window_size, int):
+        return (local_window_size, local_window_size)
+    if (
+        isinstance(local_window_size, tuple)
+        and len(local_window_size) == 2
+        and all(isinstance(w, int) and w >= 0 for w in local_window_size)
+    ):
+        return local_window_size
+    raise ValueError(
+        f"{_CALLER}: local_window_size must be an int or a (left, right) pair of non-negative "
+        f"ints, got {local_window_size!r}"
+    )
+
+
+def _block_option(value, name: str, default: int) -> int:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{_CALLER}: {name} must be a positive int, got {value!r}")
+    return value
+
+
+def _ensure_4d(x):
+    return None if x is None else jnp.expand_dims(x, tuple(range(4 - x.ndim)))
+
+
+def attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    bias: Any = None,
+    mask: Any = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: Any = None,
+    key_value_seq_lengths: Any = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    block_q: int | None = None,
+    block_k: int | None = None,
+):
+    """Scaled dot-product attention in blocks: :func:`jax.nn.dot_product_attention`'s values and
+    gradients, with no ``[T, S]`` array per head.
+
+    The arguments are :func:`jax.nn.dot_product_attention`'s: ``query [B, T, N, H]``, ``key`` and
+    ``value [B, S, K, H]`` (``[T, N, H]`` without the batch), grouped-query attention where
+    ``K < N`` (``N`` a multiple of ``K``), a boolean ``mask`` and a ``bias`` broadcastable to
+    ``[B, N, T, S]``, ``is_causal``, the sequence lengths and a local window. The logits are
+    computed in blocks of ``block_q`` queries by ``block_k`` keys with an online softmax in
+    float32 (FlashAttention-2's schedule); the gradient recomputes each block from the
+    log-sum-exp it keeps (one float per query and head), so what the backward keeps is the
+    inputs, the output and that. Blocks no query sees (above the causal diagonal, outside the
+    window) are not computed. Forward mode, ``jax.vmap`` and sharded inputs work as for any
+    JAX function; on jax < 0.11 it is a ``jax.custom_vjp`` (reverse mode only).
+
+    Where a fused kernel exists (``implementation="cudnn"`` on NVIDIA GPUs, Pallas' flash
+    attention on TPU) it is faster; this is for the XLA path (CPU, and GPU/TPU without such a
+    kernel), and what :func:`jaxmem.optimize` puts in place of it with ``chunk_tokens=True``.
+
+    Args:
+      query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
+        key_value_seq_lengths, local_window_size: as :func:`jax.nn.dot_product_attention`.
+      block_q, block_k: the block sizes (default: :func:`default_block` of each length: up to
+        512, smaller where many heads would make a block's logits large).
+
+    Returns:
+      ``[B, T, N, H]`` (``[T, N, H]`` for three-dimensional inputs), in ``value``'s dtype.
+
+    Raises:
+      ValueError: shapes or dtypes :func:`jax.nn.dot_product_attention` refuses, a bad window
+        or block size.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import jaxmem
+      >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 256, 2, 16))
+      >>> out = jaxmem.attention(q, k, v, is_causal=True, block_q=64, block_k=64)
+      >>> ref = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+      >>> bool(jnp.allclose(out, ref, atol=1e-5))
+      True
+    """
+    q, k, v = (jnp.asarray(x) for x in (query, key, value))
+    three_d = q.ndim == 3
+    if q.ndim not in (3, 4) or k.ndim != q.ndim or v.ndim != q.ndim:
+        raise ValueError(
+            f"{_CALLER}: query, key and value must be [B, T, N, H] (or [T, N, H]), got shapes "
+            f"{q.shape}, {k.shape}, {v.shape}"
+        )
+    q, k, v = (_ensure_4d(x) for x in (q, k, v))
+    bias = _ensure_4d(None if bias is None else jnp.asarray(bias))
+    mask = _ensure_4d(None if mask is None else jnp.asarray(mask))
+    q_len = None if query_seq_lengths is None else jnp.asarray(query_seq_lengths)
+    kv_len = None if key_value_seq_lengths is None else jnp.asarray(key_value_seq_lengths)
+    _check_arrays(q, k, v, bias, mask, q_len, kv_len)
+    b, t, n, _ = q.shape
+    s = k.shape[1]
+    options = Options(
+        1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale),
+        bool(is_causal),
+        window_of(local_window_size),
+        _block_option(block_q, "block_q", default_block(t, b * n)),
+        _block_option(block_k, "block_k", default_block(s, b * n)),
+    )
+    out = blocked(options, q, k, v, bias, mask, q_len, kv_len)
+    return out[0] if three_d else out
+
+
+def blocked(options: Options, q, k, v, bias, mask, q_len, kv_len):
+    """:func:`attention` on checked four-dimensional arrays (what :mod:`jaxmem.optimize` binds
+    in place of jax.nn's XLA path)."""
+    b, t, n, _ = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    masked_rows = mask is not None or kv_len is not None
+    g = options.geometry(t, s, masked_rows)
+    tp, sp = g.nq * g.bq, g.nk * g.bk
+    grouped = lambda x: None if x is None else _grouped(x, kh, n // kh, tp, sp)
+    qg = jnp.pad(q, ((0, 0), (0, tp - t), (0, 0), (0, 0))).reshape(b, tp, kh, n // kh, -1)
+    kp, vp = (jnp.pad(x, ((0, 0), (0, sp - s), (0, 0), (0, 0))) for x in (k, v))
+    core = _core(g)
+    out = core(qg, kp, vp, grouped(bias), grouped(mask), q_len, kv_len)
+    out = out[:, :t].reshape(b, t, n, -1)
+    if q_len is not None:  # as jax.nn: the queries past a sequence's length give zeros
+        out = out * (jnp.arange(t)[None, :] < q_len[:, None])[:, :, None, None].astype(out.dtype)
+    return out
+
+
+def _grouped(x, kh: int, groups: int, tp: int, sp: int):
+    """A ``[B|1, N|1, T|1, S|1]`` bias or mask as ``[B|1, K|1, G|1, Tp|1, Sp|1]``, padded."""
+    pad = [(0, 0)] * 4
+    pad[2] = (0, tp - x.shape[2]) if x.shape[2] != 1 else (0, 0)
+    pad[3] = (0, sp - x.shape[3]) if x.shape[3] != 1 else (0, 0)
+    x = jnp.pad(x, pad)
+    if x.shape[1] == 1:
+        return x[:, :, None]
+    return x.reshape(x.shape[0], kh, groups, *x.shape[2:])
+
+
+def _core(g: _blocks.Geometry):
+    """The blocked attention on padded, grouped arrays, with its recomputing backward."""
+
+    def inputs(q, k, v, bias, mask, q_len, kv_len):
+        return _blocks.Inputs(q, k, v, bias, mask, q_len, kv_len)
+
+    def fun(*args):
+        out, _ = _blocks.forward(g, inputs(*args))
+        return out.astype(args[2].dtype)
+
+    def fwd(*args):
+        out, lse = _blocks.forward(g, inputs(*args))
+        out = out.astype(args[2].dtype)
+        return out, (args, out, lse)
+
+    def bwd(res, d_out):
+        args, out, lse = res
+        a = inputs(*args)
+        dq, dk, dv, dbias = _blocks.backward(g, a, out, lse, d_out)
+        dbias = None if dbias is None else dbias.astype(a.bias.dtype)
+        return (
+            dq.astype(a.q.dtype),
+            dk.astype(a.k.dtype),
+            dv.astype(a.v.dtype),
+            dbias,
+            None,
+            None,
+            None,
+        )
+
+    return _vjp_primitive.custom_vjp(fun, fwd=fwd, bwd=bwd, name=NAME)
