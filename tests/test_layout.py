@@ -21,6 +21,7 @@ LAYERS = {
     "plots": 1,
     "offload": 1,
     "vjp_primitive": 1,
+    "attention": 2,
     "remat": 2,
     "trainable": 0,
     "scan": 3,
@@ -252,6 +253,7 @@ def test_the_top_of_src_holds_leaves_and_one_package_per_concern():
         p.name for p in (ROOT / "jaxmem" / "_src").iterdir() if (p / "__init__.py").is_file()
     )
     assert packages == [
+        "attention",
         "chunking",
         "flax",
         "lint",

@@ -85,16 +85,9 @@ from jax._src.lax.control_flow import loops as _loops  # noqa: E402
 
 lax_scan = _loops.scan
 
-# The module of ``jax.nn.dot_product_attention``, whose XLA path (``implementation=None`` or
-# ``"xla"``) calls the module's ``_dot_product_attention_xla(query, key, value, bias, mask, *,
-# is_causal, scale, q_seqlen, kv_seqlen, local_window_size, return_residual)`` by its global
-# name (0.10.2 and 0.12): :func:`jaxmem.optimize` with ``chunk_tokens=True`` sets that name for
-# the time of a trace. Private: ``jax._src.nn.functions``.
-
-from jax._src.nn import functions as _nn_functions  # noqa: E402
-
-nn_functions = _nn_functions
-XLA_ATTENTION = "_dot_product_attention_xla"
+# jax.nn.dot_product_attention's module: its XLA path calls the module's
+# ``_dot_product_attention_xla`` by name (0.10.2, 0.12). Private: ``jax._src.nn.functions``.
+from jax._src.nn import functions as nn_functions  # noqa: E402, F401
 
 
 def without_source_traceback():
@@ -557,33 +550,6 @@ LINEARIZE_FROM_JVP = getattr(_hijax, "linearize_from_jvp", None) or (
     _lin_by_jvp,
     _linearized_by_jvp,
 )
-
-
-def accumulate_cotangents(accums, cts) -> None:
-    """In a hijax primitive's ``transpose`` rule: each cotangent of ``cts`` (one tree per
-    argument, or None) added to the accumulator at its place in ``accums`` (where JAX gives
-    one: an input that is linear), None skipped. Private:
-    ``jax._src.interpreters.ad.GradAccum`` (0.10.2 and 0.12)."""
-    from jax._src.interpreters import ad
-
-    is_acc = lambda x: isinstance(x, ad.GradAccum)
-    for acc_tree, ct_tree in zip(accums, cts, strict=True):  # per argument
-        if ct_tree is None:
-            continue
-        flat_cts = jax.tree.leaves(ct_tree, is_leaf=lambda x: x is None)
-        for acc, ct in zip(jax.tree.leaves(acc_tree, is_leaf=is_acc), flat_cts, strict=True):
-            if is_acc(acc) and ct is not None:
-                acc.accum(ct)
-
-
-def is_unknown_partial(x) -> bool:
-    """Whether ``x`` is an unknown value of JAX's partial evaluation (the tangents a JVP rule gets
-    when JAX linearizes by JVP and partial evaluation, as inside ``jax.checkpoint``: the primal
-    outputs must then be computable without them).
-    Private: ``jax._src.interpreters.partial_eval.JaxprTracer`` (0.10.2 and 0.12)."""
-    from jax._src.interpreters import partial_eval as pe
-
-    return isinstance(x, pe.JaxprTracer) and not x.is_known()
 
 
 def _batching_markers():

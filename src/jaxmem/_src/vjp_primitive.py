@@ -35,6 +35,8 @@ import functools
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from jaxmem._src import jax_compat as _jc
 
@@ -152,7 +154,7 @@ class _Tangent(_jc.HiPrimitive):
 
     def transpose(self, out_ct, primals, res, tangents):
         del primals
-        _jc.accumulate_cotangents(tangents, self._owner.vjp_bwd_retval(res, out_ct))
+        _accumulate(tangents, self._owner.vjp_bwd_retval(res, out_ct))
 
     def batch(self, axis_data, args, dims):
         # Forward mode over a batch of tangents (jax.jacfwd): the JVP, vmapped.
@@ -161,8 +163,43 @@ class _Tangent(_jc.HiPrimitive):
         return out, jax.tree.map(lambda _: 0, out)
 
 
+def _accumulate(accums, cts) -> None:
+    """In a hijax primitive's ``transpose`` rule: each cotangent of ``cts`` (one tree per
+    argument, or None) added to the accumulator JAX gives at its place in ``accums`` (an object
+    with ``accum``, for an input that is linear; the others are values), None skipped."""
+    is_acc = lambda x: hasattr(x, "accum")
+    for acc_tree, ct_tree in zip(accums, cts, strict=True):  # per argument
+        if ct_tree is None:
+            continue
+        flat_cts = jax.tree.leaves(ct_tree, is_leaf=lambda x: x is None)
+        for acc, ct in zip(jax.tree.leaves(acc_tree, is_leaf=is_acc), flat_cts, strict=True):
+            if is_acc(acc) and ct is not None:
+                acc.accum(ct)
+
+
 @functools.cache
 def _named(name: str) -> type:
     """The primitive's class for one ``name``: jax 0.12 prints a hijax primitive by its class's
     name, so a jaxpr reads ``linear_cross_entropy[...]``, not ``_VJPPrimitive[...]``."""
     return type(name, (_VJPPrimitive,), {"__qualname__": name, "__module__": __name__})
+
+
+def zeros_sharded_like(shape, dtype, like, dims):
+    """Zeros of ``shape`` for a loop to write into: under an Explicit mesh, dimension ``i``
+    sharded as
+    dimension ``dims[i]`` of ``like`` (a value or its type) is (None: not sharded), as the loop's
+    updates will be (``dynamic_update_slice`` and a loop's carry need equal types); plain zeros
+    elsewhere. On jax 0.12 ``jnp.zeros(..., out_sharding=)`` and ``zeros_like`` of a sharded value
+    give an unsharded type; an explicit ``reshard`` does not.
+    """
+    zeros = jnp.zeros(shape, dtype)
+    like = like if isinstance(like, jax.core.ShapedArray) else jax.typeof(like)
+    sharding = getattr(like, "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    mesh = getattr(sharding, "mesh", None)
+    types = getattr(mesh, "axis_types", ())
+    if not spec or all(p is None for p in spec) or AxisType.Explicit not in tuple(types):
+        return zeros
+    spec = tuple(spec) + (None,) * (len(like.shape) - len(spec))
+    new = PartitionSpec(*(None if d is None else spec[d] for d in dims))
+    return jax.sharding.reshard(zeros, NamedSharding(mesh, new))

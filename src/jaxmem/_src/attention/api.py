@@ -149,11 +149,12 @@ def attention(
     ``K < N`` (``N`` a multiple of ``K``), a boolean ``mask`` and a ``bias`` broadcastable to
     ``[B, N, T, S]``, ``is_causal``, the sequence lengths and a local window. The logits are
     computed in blocks of ``block_q`` queries by ``block_k`` keys with an online softmax in
-    float32 (FlashAttention-2's schedule); the gradient recomputes each block from the
-    log-sum-exp it keeps (one float per query and head), so what the backward keeps is the
-    inputs, the output and that. Blocks no query sees (above the causal diagonal, outside the
-    window) are not computed. Forward mode, ``jax.vmap`` and sharded inputs work as for any
-    JAX function; on jax < 0.11 it is a ``jax.custom_vjp`` (reverse mode only).
+    float32 (FlashAttention-2's schedule); the gradient recomputes each block from the softmax's
+    maximum and normalizer it keeps (two floats per query and head), so what the backward keeps is
+    the inputs, the output and those. Blocks no query sees (above the causal diagonal, outside the
+    window) are not computed. Forward mode, ``jax.vmap`` and sharded inputs work as for any JAX
+    function; on jax < 0.11 it is a ``jax.custom_vjp`` (reverse mode only).
+
 
     Where a fused kernel exists (``implementation="cudnn"`` on NVIDIA GPUs, Pallas' flash
     attention on TPU) it is faster; this is for the XLA path (CPU, and GPU/TPU without such a
@@ -244,18 +245,18 @@ def _core(g: _blocks.Geometry):
         return _blocks.Inputs(q, k, v, bias, mask, q_len, kv_len)
 
     def fun(*args):
-        out, _ = _blocks.forward(g, inputs(*args))
+        out, _, _ = _blocks.forward(g, inputs(*args))
         return out.astype(args[2].dtype)
 
     def fwd(*args):
-        out, lse = _blocks.forward(g, inputs(*args))
+        out, m, norm = _blocks.forward(g, inputs(*args))
         out = out.astype(args[2].dtype)
-        return out, (args, out, lse)
+        return out, (args, out, (m, norm))
 
     def bwd(res, d_out):
-        args, out, lse = res
+        args, out, stats = res
         a = inputs(*args)
-        dq, dk, dv, dbias = _blocks.backward(g, a, out, lse, d_out)
+        dq, dk, dv, dbias = _blocks.backward(g, a, out, stats, d_out)
         dbias = None if dbias is None else dbias.astype(a.bias.dtype)
         return (
             dq.astype(a.q.dtype),

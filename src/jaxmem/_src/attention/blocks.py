@@ -7,11 +7,12 @@ key head), keys ``[B, S, K, H]``, values ``[B, S, K, Hv]``; a block's logits are
 logits, padded queries are dropped), so no length needs to divide.
 
 The forward keeps, per query, the running maximum and sum of the softmax and the weighted sum of
-values, and returns the output and the log-sum-exp; the backward loops over key blocks, each over
-the query blocks that see it, recomputing the block's probabilities from the log-sum-exp. Blocks
-that no query of the block sees (above the causal diagonal, outside a local window) are never
-visited. Masked logits take the value :func:`jax.nn.dot_product_attention` gives them
-(``-0.7 * float32 max``), so a row with every key masked averages the values as it does.
+values, and returns the output with each row's maximum and normalizer; the backward loops over key
+blocks, each over the query blocks that see it, recomputing the block's probabilities from them.
+Blocks that no query of the block sees (above the causal diagonal, outside a local window) are never
+visited. Masked logits take the value :func:`jax.nn.dot_product_attention` gives them (``-0.7 *
+float32 max``), so a row with every key masked averages the values as it does.
+
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from jaxmem._src import vjp_primitive as _vjp_primitive
 
 # jax.nn's masked logit: finite, so that a fully masked row is a uniform average, not NaN.
 MASKED = float(-0.7 * np.finfo(np.float32).max)
@@ -115,14 +118,15 @@ def _block(x, axis: int, start, size: int):
 
 def logits(g: Geometry, a: Inputs, i, j, qi, kj):
     """Block ``(i, j)``'s logits ``[B, K, G, bq, bk]`` in float32, masked as jax.nn masks them
-    (padded keys: ``-inf``)."""
+    (padded keys: ``-inf``), and where they are not masked (None: nowhere masked)."""
     s = jnp.einsum("bqkgh,bskh->bkgqs", qi, kj, preferred_element_type=jnp.float32)
     s = s * jnp.float32(g.scale)
     if a.bias is not None:
         bias = _block(_block(a.bias, 3, i * g.bq, g.bq), 4, j * g.bk, g.bk)
         s = s + bias.astype(jnp.float32)
-    qpos = i * g.bq + lax.broadcasted_iota(jnp.int32, (g.bq, g.bk), 0)
-    kpos = j * g.bk + lax.broadcasted_iota(jnp.int32, (g.bq, g.bk), 1)
+    block = (1, 1, 1, g.bq, g.bk)
+    qpos = i * g.bq + lax.broadcasted_iota(jnp.int32, block, 3)
+    kpos = j * g.bk + lax.broadcasted_iota(jnp.int32, block, 4)
     keep = None
     if a.mask is not None:
         keep = _block(_block(a.mask, 3, i * g.bq, g.bq), 4, j * g.bk, g.bk)
@@ -137,7 +141,7 @@ def logits(g: Geometry, a: Inputs, i, j, qi, kj):
         s = jnp.where(keep, s, jnp.float32(MASKED))
     if g.s % g.bk:  # keys past the end: padding of the last block
         s = jnp.where(kpos < g.s, s, -jnp.inf)
-    return s
+    return s, keep
 
 
 def _and(a, b):
@@ -155,19 +159,21 @@ def _padding(a: Inputs, qpos, kpos):
 
 
 def forward(g: Geometry, a: Inputs):
-    """``(out [B, Tp, K, G, Hv] float32, lse [B, K, G, Tp] float32)``."""
+    """``(out [B, Tp, K, G, Hv], m [B, K, G, Tp], norm [B, K, G, Tp])`` in float32: the
+    softmax of a row is ``exp(logits - m) * norm``. (Not one log-sum-exp ``m - log(norm)``: for
+    a row masked whole ``m`` is jax.nn's masked logit, -2.4e38, where ``log(norm)`` is lost.)"""
     b, tp, k_heads, groups, _ = a.q.shape
     hv = a.v.shape[-1]
 
     def query_block(i, bufs):
-        out, lse = bufs
+        out, lse, norm = bufs
         qi = lax.dynamic_slice_in_dim(a.q, i * g.bq, g.bq, axis=1)
 
         def key_block(j, carry):
             m, total, acc = carry
             kj = lax.dynamic_slice_in_dim(a.k, j * g.bk, g.bk, axis=1)
             vj = lax.dynamic_slice_in_dim(a.v, j * g.bk, g.bk, axis=1)
-            s = logits(g, a, i, j, qi, kj)
+            s, _ = logits(g, a, i, j, qi, kj)
             m_new = jnp.maximum(m, s.max(-1))
             p = jnp.exp(s - m_new[..., None])
             corr = jnp.exp(m - m_new)
@@ -178,33 +184,45 @@ def forward(g: Geometry, a: Inputs):
             return m_new, total * corr + p.sum(-1), acc * corr_q + pv
 
         shape = (b, k_heads, groups, g.bq)
+        stats = _vjp_primitive.zeros_sharded_like(shape, jnp.float32, a.q, (0, 2, 3, 1))
         init = (
-            jnp.full(shape, -jnp.inf, jnp.float32),
-            jnp.zeros(shape, jnp.float32),
-            jnp.zeros((b, g.bq, k_heads, groups, hv), jnp.float32),
+            stats - jnp.inf,
+            stats,
+            _vjp_primitive.zeros_sharded_like(
+                (b, g.bq, k_heads, groups, hv), jnp.float32, a.q, range(5)
+            ),
         )
         lo, hi = g.keys_of(i)
         m, total, acc = lax.fori_loop(lo, hi, key_block, init)
         oi = acc / jnp.moveaxis(total, 3, 1)[..., None]
         out = lax.dynamic_update_slice_in_dim(out, oi, i * g.bq, axis=1)
-        lse = lax.dynamic_update_slice_in_dim(lse, m + jnp.log(total), i * g.bq, axis=3)
-        return out, lse
+        lse = lax.dynamic_update_slice_in_dim(lse, m, i * g.bq, axis=3)
+        norm = lax.dynamic_update_slice_in_dim(norm, 1.0 / total, i * g.bq, axis=3)
+        return out, lse, norm
 
+    stats = _vjp_primitive.zeros_sharded_like(
+        (b, k_heads, groups, tp), jnp.float32, a.q, (0, 2, 3, 1)
+    )
     bufs = (
-        jnp.zeros((b, tp, k_heads, groups, hv), jnp.float32),
-        jnp.zeros((b, k_heads, groups, tp), jnp.float32),
+        _vjp_primitive.zeros_sharded_like((b, tp, k_heads, groups, hv), jnp.float32, a.q, range(5)),
+        stats,
+        stats,
     )
     return lax.fori_loop(0, g.nq, query_block, bufs)
 
 
-def backward(g: Geometry, a: Inputs, out, lse, d_out):
+def backward(g: Geometry, a: Inputs, out, stats, d_out):
     """``(dq, dk, dv, dbias)`` (dbias None without a bias) from the output's cotangent.
 
-    ``out`` and ``d_out`` are ``[B, Tp, K, G, Hv]``; padded queries must have zero ``d_out``.
+    ``out`` and ``d_out`` are ``[B, Tp, K, G, Hv]``, ``stats`` the forward's ``(m, norm)``;
+    padded queries must have zero ``d_out``.
     """
+    m, norm = stats
     delta = jnp.einsum("bqkgh,bqkgh->bkgq", d_out.astype(jnp.float32), out.astype(jnp.float32))
-    dq0 = jnp.zeros(a.q.shape, jnp.float32)
-    dbias0 = None if a.bias is None else jnp.zeros(a.bias.shape, jnp.float32)
+    dq0 = _vjp_primitive.zeros_sharded_like(a.q.shape, jnp.float32, a.q, range(5))
+    dbias0 = None
+    if a.bias is not None:
+        dbias0 = _vjp_primitive.zeros_sharded_like(a.bias.shape, jnp.float32, a.bias, range(5))
 
     def key_block(j, carry):
         dq, dk_all, dv_all, dbias = carry
@@ -215,15 +233,18 @@ def backward(g: Geometry, a: Inputs, out, lse, d_out):
             dk, dv, dq, dbias = inner
             qi = lax.dynamic_slice_in_dim(a.q, i * g.bq, g.bq, axis=1)
             doi = lax.dynamic_slice_in_dim(d_out, i * g.bq, g.bq, axis=1)
-            s = logits(g, a, i, j, qi, kj)
-            lse_i = lax.dynamic_slice_in_dim(lse, i * g.bq, g.bq, axis=3)
-            p = jnp.exp(s - lse_i[..., None])
+            s, keep = logits(g, a, i, j, qi, kj)
+            m_i = lax.dynamic_slice_in_dim(m, i * g.bq, g.bq, axis=3)
+            norm_i = lax.dynamic_slice_in_dim(norm, i * g.bq, g.bq, axis=3)
+            p = jnp.exp(s - m_i[..., None]) * norm_i[..., None]
             dv = dv + jnp.einsum(
                 "bkgqs,bqkgh->bskh", p.astype(doi.dtype), doi, preferred_element_type=jnp.float32
             )
             dp = jnp.einsum("bqkgh,bskh->bkgqs", doi, vj, preferred_element_type=jnp.float32)
             delta_i = lax.dynamic_slice_in_dim(delta, i * g.bq, g.bq, axis=3)
             ds = p * (dp - delta_i[..., None])
+            if keep is not None:  # a masked logit is a constant: no gradient (as jnp.where)
+                ds = jnp.where(keep, ds, 0.0)
             if dbias is not None:
                 dbias = _add_block(dbias, ds, i * g.bq, j * g.bk, g)
             ds = ds * jnp.float32(g.scale)
@@ -235,16 +256,16 @@ def backward(g: Geometry, a: Inputs, out, lse, d_out):
                                  preferred_element_type=jnp.float32)  # fmt: skip
             return dk, dv, dq, dbias
 
-        dk = jnp.zeros(kj.shape, jnp.float32)
-        dv = jnp.zeros(vj.shape, jnp.float32)
+        dk = _vjp_primitive.zeros_sharded_like(kj.shape, jnp.float32, a.k, range(4))
+        dv = _vjp_primitive.zeros_sharded_like(vj.shape, jnp.float32, a.v, range(4))
         lo, hi = g.queries_of(j)
         dk, dv, dq, dbias = lax.fori_loop(lo, hi, query_block, (dk, dv, dq, dbias))
         dk_all = lax.dynamic_update_slice_in_dim(dk_all, dk, j * g.bk, axis=1)
         dv_all = lax.dynamic_update_slice_in_dim(dv_all, dv, j * g.bk, axis=1)
         return dq, dk_all, dv_all, dbias
 
-    dk0 = jnp.zeros(a.k.shape, jnp.float32)
-    dv0 = jnp.zeros(a.v.shape, jnp.float32)
+    dk0 = _vjp_primitive.zeros_sharded_like(a.k.shape, jnp.float32, a.k, range(4))
+    dv0 = _vjp_primitive.zeros_sharded_like(a.v.shape, jnp.float32, a.v, range(4))
     return lax.fori_loop(0, g.nk, key_block, (dq0, dk0, dv0, dbias0))
 
 

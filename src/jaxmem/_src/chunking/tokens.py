@@ -45,6 +45,7 @@ class Region:
       rows: the number of tokens.
       axes: per equation (by id, nested calls included): (input axes, output axes).
       largest: the bytes of the region's largest intermediate (not counting its outputs).
+      inner_bytes: the bytes of all its intermediates (not counting its outputs).
       row_bytes: the bytes one token adds to it.
     """
 
@@ -56,6 +57,7 @@ class Region:
     axes: dict
     largest: int
     row_bytes: int
+    inner_bytes: int = 0
 
     def chunk_rows(self, chunk_bytes: int) -> int:
         """Tokens per chunk: the most, a power of two, that keep the chunk's intermediates
@@ -73,42 +75,26 @@ def _token_axis(v, lengths: frozenset) -> int | None:
 _UNSET = object()
 
 
-@dataclasses.dataclass
-class _Walk:
-    """The walk back over a jaxpr: the token axis needed of each value, the members found."""
+def _need_whole(walk: _rows._Walk, values, lengths: frozenset) -> None:
+    """Values an equation outside any region reads: each needed on its token axis."""
+    for v in values:
+        if _jc.is_var(v):
+            walk.required.setdefault(v, _token_axis(v, lengths))
 
-    lengths: frozenset
-    required: dict = dataclasses.field(default_factory=dict)
-    axes: dict = dataclasses.field(default_factory=dict)
-    members: dict = dataclasses.field(default_factory=dict)  # index -> (ins, outs)
 
-    def need_whole(self, values) -> None:
-        """Values an equation outside any region reads: each needed on its token axis."""
-        for v in values:
-            if _jc.is_var(v):
-                self.required.setdefault(v, _token_axis(v, self.lengths))
-
-    def visit(self, i: int, eqn) -> None:
-        outs = [self.required.get(v, _UNSET) for v in eqn.outvars if not _jc.is_drop_var(v)]
-        if not outs or all(o is _UNSET for o in outs):
-            return  # dead
-        ins = None
-        if all(isinstance(o, int) for o in outs):
-            ins = _rows.in_axes(eqn, outs)
-        if ins is not None and not any(
-            _jc.is_var(v) and self.required.get(v, k) != k
-            for v, k in zip(eqn.invars, ins, strict=True)
-        ):
-            nested = _rows._nested(eqn, ins, outs)
-            if nested is not None:
-                for v, k in zip(eqn.invars, ins, strict=True):
-                    if _jc.is_var(v):
-                        self.required[v] = k
-                self.members[i] = (ins, outs)
-                self.axes.update(nested)
-                self.axes[id(eqn)] = (ins, outs)
-                return
-        self.need_whole(eqn.invars)
+def _visit(walk: _rows._Walk, i: int, eqn, lengths: frozenset) -> None:
+    """Joins equation ``i`` to the regions where its outputs are needed on token axes and it
+    is row-wise along them; else its inputs are needed whole."""
+    outs = [walk.required.get(v, _UNSET) for v in eqn.outvars if not _jc.is_drop_var(v)]
+    if not outs or all(o is _UNSET for o in outs):
+        return  # dead
+    ins = _rows.in_axes(eqn, outs) if all(isinstance(o, int) for o in outs) else None
+    if ins is not None and not walk._conflicts(eqn, ins):
+        nested = _rows._nested(eqn, ins, outs)
+        if nested is not None:
+            walk._join(i, eqn, ins, outs, nested)
+            return
+    _need_whole(walk, eqn.invars, lengths)
 
 
 def _components(jaxpr, members: dict) -> list[list[int]]:
@@ -132,7 +118,7 @@ def _components(jaxpr, members: dict) -> list[list[int]]:
     return list(groups.values())
 
 
-def _region(jaxpr, group: list[int], walk: _Walk, users: dict) -> Region | None:
+def _region(jaxpr, group: list[int], walk: _rows._Walk, users: dict) -> Region | None:
     """The region of equations ``group``, or None where it cannot run as one (tokens of two
     lengths, or it would need its own output first)."""
     eqns = jaxpr.eqns
@@ -166,11 +152,12 @@ def _region(jaxpr, group: list[int], walk: _Walk, users: dict) -> Region | None:
     for i in group:
         inner += _rows._body_values(eqns[i], walk.axes)
     escaping = {v for v, _ in outputs}
-    largest = max((_jc.nbytes(v.aval) for v, _ in inner if v not in escaping), default=0)
+    inner_sizes = [_jc.nbytes(v.aval) for v, _ in inner if v not in escaping]
+    largest = max(inner_sizes, default=0)
     row_bytes = sum(_jc.nbytes(v.aval) // max(1, _rows._shape(v)[k]) for v, k in inner)
     return Region(
         tuple(group), tuple(split.items()), tuple(params), tuple(outputs), rows,
-        walk.axes, largest, row_bytes,
+        walk.axes, largest, row_bytes, sum(inner_sizes),
     )  # fmt: skip
 
 
@@ -195,20 +182,21 @@ def _users(jaxpr) -> dict:
 
 
 def find_regions(jaxpr, lengths: Sequence[int], min_bytes: int) -> list[Region]:
-    """The token-wise regions of ``jaxpr`` whose largest intermediate is over ``min_bytes`` and
+    """The token-wise regions of ``jaxpr`` whose intermediates add up to over ``min_bytes`` and
     over each of their outputs (chunking them saves memory)."""
-    walk = _Walk(frozenset(lengths))
-    if not walk.lengths:
+    lengths = frozenset(lengths)
+    if not lengths:
         return []
-    walk.need_whole(jaxpr.outvars)
+    walk = _rows._Walk(required={}, axes={})
+    _need_whole(walk, jaxpr.outvars, lengths)
     for i in range(len(jaxpr.eqns) - 1, -1, -1):
-        walk.visit(i, jaxpr.eqns[i])
+        _visit(walk, i, jaxpr.eqns[i], lengths)
     users = _users(jaxpr)
     found = []
     for group in _components(jaxpr, walk.members):
         region = _region(jaxpr, group, walk, users)
         biggest_output = max(_jc.nbytes(v.aval) for v, _ in region.outputs) if region else 0
-        if region is not None and region.largest > max(min_bytes, biggest_output):
+        if region is not None and region.inner_bytes > max(min_bytes, biggest_output):
             found.append(region)
     return found
 
@@ -288,7 +276,9 @@ def run_region(jaxpr, region: Region, invals: Sequence, chunk_bytes: int, name: 
                 for b, o, k in zip(bufs, outs, out_axes, strict=True)
             ]
 
-        bufs = [jnp.zeros(a.shape, a.dtype) for a in out_avals]
+        bufs = [
+            _vjp_primitive.zeros_sharded_like(a.shape, a.dtype, a, range(a.ndim)) for a in out_avals
+        ]
         bufs = lax.fori_loop(0, full, lambda i, b: put(i * size, size, b), bufs)
         return put(full * size, rem, bufs) if rem else bufs
 
@@ -314,7 +304,9 @@ def run_region(jaxpr, region: Region, invals: Sequence, chunk_bytes: int, name: 
             return _accumulate(grads, vjp(ct), start, length, diff, in_axes)
 
         grads = [
-            jnp.zeros(x.shape, _acc_dtype(x.dtype)) for x, d in zip(args, diff, strict=True) if d
+            _vjp_primitive.zeros_sharded_like(x.shape, _acc_dtype(x.dtype), x, range(x.ndim))
+            for x, d in zip(args, diff, strict=True)
+            if d
         ]
         grads = lax.fori_loop(0, full, lambda i, g: back(i * size, size, g), grads)
         if rem:

@@ -116,7 +116,8 @@ class Explanation:
     chunked: tuple[str, ...] = ()
 
     def __str__(self) -> str:
-        lines = [str(s) for s in self.scans] or ["no scan found: the function runs unchanged"]
+        unchanged = "no scan found" + ("" if self.chunked else ": the function runs unchanged")
+        lines = [str(s) for s in self.scans] or [unchanged]
         lines += self.chunked
         if self.budget is not None:
             lines.append(str(self.budget))
@@ -595,7 +596,10 @@ def optimize(
         token-wise region (norms, projections, the MLP, the LM head and its loss: the
         equations that map each position on its own) whose largest intermediate is over 4 MiB
         runs in chunks of tokens, its gradient recomputing each chunk; the gradient's temp then
-        grows linearly with the sequence length. ``explain`` lists what was chunked.
+        grows linearly with the sequence length. Unless ``policy``, ``options``, ``plan`` or
+        ``budget`` says otherwise, each scan then keeps its step's inputs alone for the
+        backward (``policy=jax.checkpoint_policies.nothing_saveable``), its step recomputed
+        chunk by chunk. ``explain`` lists what was chunked.
 
     Returns:
       An :class:`Optimized` function with ``fn``'s signature and ``.explain(*args, **kwargs)``.
@@ -654,8 +658,13 @@ def optimize(
     budget = _check_budget(budget, objective, policy, checkpoints, options, fname)
     if not isinstance(chunk_tokens, bool):
         raise TypeError(f"{fname}: chunk_tokens must be True or False, got {chunk_tokens!r}")
+    if chunk_tokens and options is None and plan is None and budget is None and policy is None:
+        # Long context: a layer keeps its input alone for the backward, the rest recomputed
+        # (chunk by chunk), as MsT does; what a layer would keep grows with the sequence.
+        given["policy"] = jax.checkpoint_policies.nothing_saveable
+        choose = lambda found: dict(given)
     if chunk_tokens:
-        options_key = None if options_key is None else options_key + " chunk_tokens"
+        options_key = None if options_key is None else repr(sorted(given.items())) + " tokens"
 
     def make(f):
         checks.check_callable(f, "fn", fname)

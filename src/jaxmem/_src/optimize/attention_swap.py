@@ -3,7 +3,8 @@
 
 ``jax.nn.dot_product_attention`` (and Flax's ``nnx.dot_product_attention`` /
 ``nnx.MultiHeadAttention``, which call it without dropout) computes on XLA through one module
-function, looked up by name at each call (:data:`jaxmem._src.jax_compat.XLA_ATTENTION`). While a
+function, looked up by name at each call (:data:`XLA_ATTENTION`, in
+:data:`jaxmem._src.jax_compat.nn_functions`). While a
 trace is catching (:func:`swapping`), that name is :func:`_blocked_xla` in every thread, which
 runs the blocked attention for the catching thread and the original for any other; the lengths
 of the attentions swapped are recorded, the tokens' axis lengths of the token-wise regions
@@ -22,7 +23,10 @@ from jaxmem._src.attention import api as _attention
 _STATE = threading.local()  # .records: this thread's active records, innermost last
 _LOCK = threading.Lock()
 _ACTIVE = [0]
-_ORIGINAL = getattr(_jc.nn_functions, _jc.XLA_ATTENTION)
+# Called as (query, key, value, bias, mask, is_causal, scale, q_seqlen, kv_seqlen,
+# local_window_size, return_residual), the last six by keyword (0.10.2 and 0.12).
+XLA_ATTENTION = "_dot_product_attention_xla"
+_ORIGINAL = getattr(_jc.nn_functions, XLA_ATTENTION)
 _jc.register_source_exclusion(__file__)  # an attention swapped is at its caller's line
 
 
@@ -34,7 +38,7 @@ def swapping(record: list) -> Iterator[None]:
     stack.append(record)
     with _LOCK:
         if _ACTIVE[0] == 0:
-            setattr(_jc.nn_functions, _jc.XLA_ATTENTION, _blocked_xla)
+            setattr(_jc.nn_functions, XLA_ATTENTION, _blocked_xla)
         _ACTIVE[0] += 1
     try:
         yield
@@ -43,7 +47,7 @@ def swapping(record: list) -> Iterator[None]:
         with _LOCK:
             _ACTIVE[0] -= 1
             if _ACTIVE[0] == 0:
-                setattr(_jc.nn_functions, _jc.XLA_ATTENTION, _ORIGINAL)
+                setattr(_jc.nn_functions, XLA_ATTENTION, _ORIGINAL)
 
 
 def _records() -> list:

@@ -50,7 +50,7 @@ class Tokens:
     where), and what was chunked (``chunked``: one line per region, for ``explain``)."""
 
     attentions: list = dataclasses.field(default_factory=list)
-    chunk_bytes: int = _tokens.DEFAULT_CHUNK_BYTES
+    chunk_bytes: int = dataclasses.field(default_factory=lambda: _tokens.DEFAULT_CHUNK_BYTES)
     chunked: list = dataclasses.field(default_factory=list)
     _regions: dict = dataclasses.field(default_factory=dict)  # id(jaxpr) -> (jaxpr, regions)
 
