@@ -7,8 +7,6 @@ lowered so that these small models chunk (the library's default, 4 MiB, is for r
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import pytest
@@ -58,8 +56,9 @@ def test_the_gradient_holds_no_logits():
 
 
 def test_nnx_llama_gradients_equal_stock():
-    from benchmarks.models import llama_long_nnx
     from flax import nnx
+
+    from benchmarks.models import llama_long_nnx
 
     model = llama_long_nnx.Llama(CFG, rngs=nnx.Rngs(0))
     loss, state = llama_long_nnx.pure_loss(model)
