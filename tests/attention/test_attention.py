@@ -253,3 +253,16 @@ def test_errors_name_the_argument(given, message):
     q, k = np.ones(shapes["q"], np.float32), np.ones(shapes["k"], np.float32)
     with pytest.raises(ValueError, match=f"jaxmem.attention: .*{message}"):
         jaxmem.attention(q, k, k, **given)
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (CPU) devices")
+def test_inside_shard_map():
+    """Per-device attention inside jax.shard_map (check_vma on): the loops' buffers vary over
+    the manual axis as their updates do."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    q, k, v = _arrays(8, 48, 48, 2, 1, 8)
+    mapped = lambda f: jax.shard_map(
+        f, mesh=mesh, in_specs=(P("data"),) * 3, out_specs=P("data")
+    )  # fmt: skip
+    loss = lambda f: jax.jit(jax.value_and_grad(lambda *a: jnp.sum(mapped(f)(*a) ** 2), (0, 1, 2)))
+    assert_trees_close(loss(_ours)(q, k, v), loss(_ref)(q, k, v), rtol=RTOL)

@@ -185,15 +185,19 @@ def _named(name: str) -> type:
 
 
 def zeros_sharded_like(shape, dtype, like, dims):
-    """Zeros of ``shape`` for a loop to write into: under an Explicit mesh, dimension ``i``
-    sharded as
-    dimension ``dims[i]`` of ``like`` (a value or its type) is (None: not sharded), as the loop's
-    updates will be (``dynamic_update_slice`` and a loop's carry need equal types); plain zeros
-    elsewhere. On jax 0.12 ``jnp.zeros(..., out_sharding=)`` and ``zeros_like`` of a sharded value
-    give an unsharded type; an explicit ``reshard`` does not.
+    """Zeros of ``shape`` for a loop to write into, typed as the loop's updates will be
+    (``dynamic_update_slice`` and a loop's carry need equal types): under an Explicit mesh,
+    dimension ``i`` sharded as dimension ``dims[i]`` of ``like`` (a value or its type; None: not
+    sharded); inside ``shard_map``, varying over the manual axes ``like`` varies over. On jax
+    0.12 ``jnp.zeros(..., out_sharding=)`` and ``zeros_like`` of a sharded value give an
+    unsharded type; an explicit ``reshard`` does not.
     """
     zeros = jnp.zeros(shape, dtype)
     like = like if isinstance(like, jax.core.ShapedArray) else jax.typeof(like)
+    varying = getattr(getattr(like, "manual_axis_type", None), "varying", None) or ()
+    if varying:
+        names = jax.sharding.get_abstract_mesh().axis_names
+        zeros = jax.lax.pcast(zeros, tuple(n for n in names if n in varying), to="varying")
     sharding = getattr(like, "sharding", None)
     spec = getattr(sharding, "spec", None)
     mesh = getattr(sharding, "mesh", None)
