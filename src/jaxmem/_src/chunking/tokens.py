@@ -118,6 +118,29 @@ def _components(jaxpr, members: dict) -> list[list[int]]:
     return list(groups.values())
 
 
+def _staged(jaxpr, walk: _rows._Walk) -> list[list[int]]:
+    """The components of the walk's members, each split by stage: how many token-mixing
+    equations (outside the regions, reading values that have a token axis: attention, a sum
+    over the tokens) lie on the longest path to it, so that no region holds equations on both
+    sides of a mixing (it would need its own output)."""
+    members = walk.members
+    stage: dict = {}
+    at = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        ins = [v for v in eqn.invars if _jc.is_var(v)]
+        s = max((stage.get(v, 0) for v in ins), default=0)
+        at[i] = s
+        mixing = i not in members and any(isinstance(walk.required.get(v), int) for v in ins)
+        stage.update((v, s + 1 if mixing else s) for v in eqn.outvars)
+    groups = []
+    for group in _components(jaxpr, members):
+        by_stage: dict = {}
+        for i in group:
+            by_stage.setdefault(at[i], []).append(i)
+        groups += [by_stage[k] for k in sorted(by_stage)]
+    return groups
+
+
 def _region(jaxpr, group: list[int], walk: _rows._Walk, users: dict) -> Region | None:
     """The region of equations ``group``, or None where it cannot run as one (tokens of two
     lengths, or it would need its own output first)."""
@@ -193,7 +216,7 @@ def find_regions(jaxpr, lengths: Sequence[int], min_bytes: int) -> list[Region]:
         _visit(walk, i, jaxpr.eqns[i], lengths)
     users = _users(jaxpr)
     found = []
-    for group in _components(jaxpr, walk.members):
+    for group in _staged(jaxpr, walk):
         region = _region(jaxpr, group, walk, users)
         biggest_output = max(_jc.nbytes(v.aval) for v, _ in region.outputs) if region else 0
         if region is not None and region.inner_bytes > max(min_bytes, biggest_output):
