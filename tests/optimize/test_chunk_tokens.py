@@ -70,18 +70,28 @@ def test_nnx_llama_gradients_equal_stock():
     assert "blocked (64 x 64)" in text and "chunked: " in text, text
 
 
-def test_train_step_that_differentiates_inside():
-    loss = llama_long.make_loss(CFG)
-
+def _step(loss):
     def step(params, tokens):
         value, grads = jax.value_and_grad(loss)(params, tokens)
         return value, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
 
-    params, tokens = _params(), _tokens_of(48)
-    got = jax.jit(jaxmem.optimize(step, chunk_tokens=True))(params, tokens)
-    assert_trees_close(got, jax.jit(step)(params, tokens), rtol=RTOL)
-    text = str(jaxmem.optimize(step, chunk_tokens=True).explain(params, tokens))
-    assert "blocked (48 x 48)" in text and "chunked: " in text, text
+    return step
+
+
+def test_train_step_that_differentiates_inside():
+    """The step's own value_and_grad differentiates its loss as optimize runs it: the same
+    program, to the byte, as a step written around optimize(loss), its loss head chunked."""
+    loss = llama_long.make_loss(CFG)
+    params, tokens = _params(), _tokens_of(128)
+    step = _step(loss)
+    opt = jaxmem.optimize(step, chunk_tokens=True)
+    assert_trees_close(jax.jit(opt)(params, tokens), jax.jit(step)(params, tokens), rtol=RTOL)
+    text = str(opt.explain(params, tokens))
+    assert "blocked (128 x 128)" in text and text.count("chunked: ") >= 2, text
+    around = _step(jaxmem.optimize(loss, chunk_tokens=True))
+    temp = lambda f: jax.jit(f).lower(params, tokens).compile().memory_analysis()
+    assert temp(opt).temp_size_in_bytes == temp(around).temp_size_in_bytes
+    assert temp(opt).temp_size_in_bytes < temp(step).temp_size_in_bytes
 
 
 def test_forward_mode_and_vmap():

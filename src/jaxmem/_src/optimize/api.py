@@ -17,10 +17,10 @@ from jaxmem._src import checks
 from jaxmem._src import jax_compat as _jc
 from jaxmem._src.chunking import autochunk as _autochunk
 from jaxmem._src.frames import is_model_file
-from jaxmem._src.optimize import attention_swap as _attention_swap
 from jaxmem._src.optimize import budget as _budget
 from jaxmem._src.optimize import intercept as _intercept
 from jaxmem._src.optimize import rewrite as _rw
+from jaxmem._src.optimize import swaps as _swaps
 from jaxmem._src.remat import remat_plan as _remat_plan
 from jaxmem._src.scan import api as _scan_api
 from jaxmem._src.scan import findings as _findings
@@ -210,6 +210,7 @@ class Optimized:
     ):
         self._fn = fn
         self._chunk_tokens = chunk_tokens
+        self._shared_tokens: _rw.Tokens | None = None  # a train step's, for its loss
         self._plan = plan  # a jaxmem.RematPlan applied to every scan (policy="auto"), or None
         self._op_names = op_names  # the steps' values named by op kind (rewrite.op_kind)
         self._options_key = options_key  # the options as given, for sharing a budget's trials
@@ -230,7 +231,8 @@ class Optimized:
 
         swap = contextlib.nullcontext()
         if caught.tokens is not None:
-            swap = _attention_swap.swapping(caught.tokens.attentions)
+            wrap = functools.partial(self._differentiated, tokens=caught.tokens)
+            swap = _swaps.swapping(caught.tokens.attentions, wrap)
 
         def flat(*arrays):
             a, k = split.merge(arrays)
@@ -274,9 +276,26 @@ class Optimized:
             self._options, op_names=self._op_names, decide=setting.decision(self._options), **kw
         )
 
+    def _differentiated(self, fun: Callable, tokens: _rw.Tokens) -> Callable:
+        """Under ``chunk_tokens=True``: what a ``jax.grad`` / ``jax.value_and_grad`` the function
+        calls while traced differentiates in place of ``fun`` (a train step's loss): ``fun``
+        run as this optimizes it, so that its tail is chunked as a loss given to it is; what
+        it swaps and chunks is reported in ``tokens``, this trace's."""
+        if isinstance(fun, Optimized):
+            return fun
+        inner = Optimized(fun, self._options, False, chunk_tokens=True, op_names=self._op_names)
+        inner._shared_tokens = tokens
+        return inner
+
     def _tokens(self) -> _rw.Tokens | None:
-        """What one trace and its evaluation share under ``chunk_tokens=True``."""
-        return _rw.Tokens() if self._chunk_tokens else None
+        """What one trace and its evaluation share under ``chunk_tokens=True`` (the lists of
+        what is swapped and chunked: an outer trace's, for a train step's loss)."""
+        if not self._chunk_tokens:
+            return None
+        outer = self._shared_tokens
+        if outer is None:
+            return _rw.Tokens()
+        return _rw.Tokens(attentions=outer.attentions, chunked=outer.chunked)
 
     def _scan_sources(self, args, kwargs) -> list[str]:
         """Where the function's outermost scans are called (one trace), in the order met; not
@@ -599,7 +618,9 @@ def optimize(
         grows linearly with the sequence length. Unless ``policy``, ``options``, ``plan`` or
         ``budget`` says otherwise, each scan then keeps its step's inputs alone for the
         backward (``policy=jax.checkpoint_policies.nothing_saveable``), its step recomputed
-        chunk by chunk. ``explain`` lists what was chunked.
+        chunk by chunk. In a function that differentiates inside, the ``jax.grad`` and
+        ``jax.value_and_grad`` it calls differentiate their function run as ``optimize`` runs
+        it (its loss head chunked too). ``explain`` lists what was chunked.
 
     Returns:
       An :class:`Optimized` function with ``fn``'s signature and ``.explain(*args, **kwargs)``.

@@ -46,7 +46,7 @@ class Found:
 @dataclasses.dataclass
 class Tokens:
     """What ``chunk_tokens=True`` shares between a trace and its evaluations: the lengths of
-    the attentions swapped (:mod:`~jaxmem._src.optimize.attention_swap`: ``(T, S)`` each, and
+    the attentions swapped (:mod:`~jaxmem._src.optimize.swaps`: ``(T, S)`` each, and
     where), and what was chunked (``chunked``: one line per region, for ``explain``)."""
 
     attentions: list = dataclasses.field(default_factory=list)
