@@ -101,7 +101,9 @@ class ScanReport:
 @dataclasses.dataclass(frozen=True)
 class Explanation:
     """What :func:`optimize` does to a function at given arguments (``optimize(f).explain``):
-    one :class:`ScanReport` per scan.
+    one :class:`ScanReport` per scan, the budget's plan (``budget=``), and under
+    ``chunk_tokens=True`` one line per attention run blocked and per token-wise region run in
+    chunks (``chunked``).
 
     Examples:
       >>> import jax.numpy as jnp
