@@ -10,9 +10,11 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmem._src import jax_compat as _jc
 from jaxmem._src import vjp_primitive as _vjp_primitive
 from jaxmem._src.attention import blocks as _blocks
 
+_jc.register_source_exclusion(__file__)  # its equations are at the caller's line
 NAME = "attention"  # the primitive's name in a jaxpr (jax >= 0.11)
 _CALLER = "jaxmem.attention"
 # A block's logits [B, N, bq, bk] in float32 stay under this many bytes (a few live at once);

@@ -24,8 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxmem._src import jax_compat as _jc
 from jaxmem._src import vjp_primitive as _vjp_primitive
 
+_jc.register_source_exclusion(__file__)  # its equations are at the caller's line
 # jax.nn's masked logit: finite, so that a fully masked row is a uniform average, not NaN.
 MASKED = float(-0.7 * np.finfo(np.float32).max)
 

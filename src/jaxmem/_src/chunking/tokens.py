@@ -369,7 +369,7 @@ def _accumulate(grads, got, start, length, diff, in_axes):
 def describe(jaxpr, region: Region, chunk_bytes: int) -> str:
     """One line saying what a region is and how it runs."""
     eqns = [jaxpr.eqns[i] for i in region.eqns]
-    lines = sorted({s for e in eqns if (s := _jc.summarize_source(e.source_info))})
+    lines = list(dict.fromkeys(s for e in eqns if (s := _jc.summarize_source(e.source_info))))
     where = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}" if lines else "?"
     size = region.chunk_rows(chunk_bytes)
     return (
