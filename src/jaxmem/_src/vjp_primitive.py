@@ -41,20 +41,28 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from jaxmem._src import jax_compat as _jc
 
 
-def custom_vjp(fun: Callable, *, fwd: Callable, bwd: Callable, name: str) -> Callable:
+def custom_vjp(
+    fun: Callable, *, fwd: Callable, bwd: Callable, name: str, nonzeros: bool = False
+) -> Callable:
     """``fun`` with the reverse-mode rule ``fwd``/``bwd`` (``jax.custom_vjp``'s contract, without
     ``nondiff_argnums``: close over static values) and every other transformation.
 
     ``fwd(*args) -> (out, residuals)``; ``bwd(residuals, out_cotangent) -> a tuple of one
     cotangent per argument`` (None, or a tree of None, for an argument without one). Zero output
-    cotangents reach ``bwd`` as arrays of zeros.
+    cotangents reach ``bwd`` as arrays of zeros. With ``nonzeros=True``, ``fwd`` also gets
+    ``nonzeros=``: per argument, whether its cotangent is wanted (a bool, or a tree of bools;
+    all True where JAX does not say), so that ``bwd`` need not compute the others.
     """
+    if nonzeros:
+        wanted = lambda *args: fwd(*args, nonzeros=[True] * len(args))
+    else:
+        wanted = fwd
 
     @functools.wraps(fun)
     def call(*args):
         if not _jc.hiprim_usable():  # jax 0.10.2 checking leaks: reverse mode only
-            return _jax_custom_vjp(fun, fwd, bwd)(*args)
-        return _named(name)(fun, fwd, bwd, name, args)(*args)
+            return _jax_custom_vjp(fun, wanted, bwd)(*args)
+        return _named(name)(fun, wanted, bwd, name, args, fwd if nonzeros else None)(*args)
 
     return call
 
@@ -67,18 +75,20 @@ def _jax_custom_vjp(fun, fwd, bwd):
 
 
 class _VJPPrimitive(_jc.HiPrimitive):
-    def __init__(self, fun, fwd, bwd, name, args):
+    def __init__(self, fun, fwd, bwd, name, args, fwd_nonzeros=None):
         self.in_avals = jax.tree.map(jax.typeof, tuple(args))
         closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args)
         out_avals = [v.aval for v in _jc.open_jaxpr(closed).outvars]
         self.out_aval = jax.tree.unflatten(jax.tree.structure(out_shape), out_avals)
-        self.params = dict(name=name, _fun=fun, _fwd=fwd, _bwd=bwd)
+        self.params = dict(name=name, _fun=fun, _fwd=fwd, _bwd=bwd, _fwd_nz=fwd_nonzeros)
         super().__init__()
 
     def expand(self, *args):
         return self._fun(*args)
 
     def vjp_fwd(self, nzs_in, *args):
+        if self._fwd_nz is not None:
+            return self._fwd_nz(*args, nonzeros=_any_nonzero(nzs_in))
         return self._fwd(*args)
 
     def vjp_bwd_retval(self, res, ct):
@@ -137,6 +147,11 @@ class _VJPPrimitive(_jc.HiPrimitive):
             args,
         )  # fmt: skip
         return batched(*args), out_dims
+
+
+def _any_nonzero(nzs_in) -> list[bool]:
+    """Per argument: whether any of its leaves has a nonzero tangent (JAX's ``nzs_in``)."""
+    return [any(jax.tree.leaves(nz)) for nz in nzs_in]
 
 
 class _Tangent(_jc.HiPrimitive):

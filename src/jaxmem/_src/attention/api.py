@@ -214,60 +214,79 @@ def blocked(options: Options, q, k, v, bias, mask, q_len, kv_len):
     """:func:`attention` on checked four-dimensional arrays (what :mod:`jaxmem.optimize` binds
     in place of jax.nn's XLA path)."""
     b, t, n, _ = q.shape
-    s, kh = k.shape[1], k.shape[2]
     masked_rows = mask is not None or kv_len is not None
-    g = options.geometry(t, s, masked_rows)
-    tp, sp = g.nq * g.bq, g.nk * g.bk
-    grouped = lambda x: None if x is None else _grouped(x, kh, n // kh, tp, sp)
-    qg = jnp.pad(q, ((0, 0), (0, tp - t), (0, 0), (0, 0))).reshape(b, tp, kh, n // kh, -1)
-    kp, vp = (jnp.pad(x, ((0, 0), (0, sp - s), (0, 0), (0, 0))) for x in (k, v))
-    core = _core(g)
-    out = core(qg, kp, vp, grouped(bias), grouped(mask), q_len, kv_len)
-    out = out[:, :t].reshape(b, t, n, -1)
+    g = options.geometry(t, k.shape[1], masked_rows)
+    out = _core(g)(q, k, v, bias, mask, q_len, kv_len)
     if q_len is not None:  # as jax.nn: the queries past a sequence's length give zeros
         out = out * (jnp.arange(t)[None, :] < q_len[:, None])[:, :, None, None].astype(out.dtype)
     return out
 
 
+def _pad(x, axis: int, length: int):
+    """``x`` padded with zeros to ``length`` along ``axis`` (itself where it is that long)."""
+    if x.shape[axis] in (1, length):
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, length - x.shape[axis])
+    return jnp.pad(x, widths)
+
+
 def _grouped(x, kh: int, groups: int, tp: int, sp: int):
     """A ``[B|1, N|1, T|1, S|1]`` bias or mask as ``[B|1, K|1, G|1, Tp|1, Sp|1]``, padded."""
-    pad = [(0, 0)] * 4
-    pad[2] = (0, tp - x.shape[2]) if x.shape[2] != 1 else (0, 0)
-    pad[3] = (0, sp - x.shape[3]) if x.shape[3] != 1 else (0, 0)
-    x = jnp.pad(x, pad)
+    x = _pad(_pad(x, 2, tp), 3, sp)
     if x.shape[1] == 1:
         return x[:, :, None]
     return x.reshape(x.shape[0], kh, groups, *x.shape[2:])
 
 
+def _ungrouped(dx, like):
+    """A cotangent in :func:`_grouped`'s layout back in ``like``'s."""
+    dx = dx[:, :, :, : like.shape[2], : like.shape[3]] if dx.ndim == 5 else dx
+    return dx.reshape(like.shape).astype(like.dtype)
+
+
 def _core(g: _blocks.Geometry):
-    """The blocked attention on padded, grouped arrays, with its recomputing backward."""
+    """The blocked attention with its recomputing backward. It takes the caller's arrays and
+    pads and groups them inside, so that what its gradient keeps is those arrays, not copies."""
+    tp, sp = g.nq * g.bq, g.nk * g.bk
 
     def inputs(q, k, v, bias, mask, q_len, kv_len):
-        return _blocks.Inputs(q, k, v, bias, mask, q_len, kv_len)
+        b, _, n, _ = q.shape
+        kh = k.shape[2]
+        grouped = lambda x: None if x is None else _grouped(x, kh, n // kh, tp, sp)
+        qg = _pad(q, 1, tp).reshape(b, tp, kh, n // kh, -1)
+        kp, vp = _pad(k, 1, sp), _pad(v, 1, sp)
+        return _blocks.Inputs(qg, kp, vp, grouped(bias), grouped(mask), q_len, kv_len)
+
+    def output(out, q):
+        b, t, n, _ = q.shape
+        return out[:, :t].reshape(b, t, n, -1)
 
     def fun(*args):
         out, _, _ = _blocks.forward(g, inputs(*args))
-        return out.astype(args[2].dtype)
+        return output(out.astype(args[2].dtype), args[0])
 
-    def fwd(*args):
+    def fwd(*args, nonzeros):
         out, m, norm = _blocks.forward(g, inputs(*args))
         out = out.astype(args[2].dtype)
-        return out, (args, out, (m, norm))
+        # Whether the bias has a tangent, as the residuals' structure (no array).
+        wants_dbias = (None,) if args[3] is not None and nonzeros[3] else ()
+        return output(out, args[0]), (args, out, (m, norm), wants_dbias)
 
     def bwd(res, d_out):
-        args, out, stats = res
+        args, out, stats, wants_dbias = res
+        q, k, v, bias = args[:4]
         a = inputs(*args)
-        dq, dk, dv, dbias = _blocks.backward(g, a, out, stats, d_out)
-        dbias = None if dbias is None else dbias.astype(a.bias.dtype)
+        d_out = _pad(d_out, 1, tp).reshape(out.shape)
+        dq, dk, dv, dbias = _blocks.backward(g, a, out, stats, d_out, bool(wants_dbias))
         return (
-            dq.astype(a.q.dtype),
-            dk.astype(a.k.dtype),
-            dv.astype(a.v.dtype),
-            dbias,
+            _ungrouped(dq[:, : q.shape[1]], q),
+            dk[:, : k.shape[1]].astype(k.dtype),
+            dv[:, : v.shape[1]].astype(v.dtype),
+            None if dbias is None else _ungrouped(dbias, bias),
             None,
             None,
             None,
         )
 
-    return _vjp_primitive.custom_vjp(fun, fwd=fwd, bwd=bwd, name=NAME)
+    return _vjp_primitive.custom_vjp(fun, fwd=fwd, bwd=bwd, name=NAME, nonzeros=True)

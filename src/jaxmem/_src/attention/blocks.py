@@ -213,7 +213,7 @@ def forward(g: Geometry, a: Inputs):
     return lax.fori_loop(0, g.nq, query_block, bufs)
 
 
-def backward(g: Geometry, a: Inputs, out, stats, d_out):
+def backward(g: Geometry, a: Inputs, out, stats, d_out, wants_dbias: bool = True):
     """``(dq, dk, dv, dbias)`` (dbias None without a bias) from the output's cotangent.
 
     ``out`` and ``d_out`` are ``[B, Tp, K, G, Hv]``, ``stats`` the forward's ``(m, norm)``;
@@ -223,7 +223,7 @@ def backward(g: Geometry, a: Inputs, out, stats, d_out):
     delta = jnp.einsum("bqkgh,bqkgh->bkgq", d_out.astype(jnp.float32), out.astype(jnp.float32))
     dq0 = _vjp_primitive.zeros_sharded_like(a.q.shape, jnp.float32, a.q, range(5))
     dbias0 = None
-    if a.bias is not None:
+    if a.bias is not None and wants_dbias:
         dbias0 = _vjp_primitive.zeros_sharded_like(a.bias.shape, jnp.float32, a.bias, range(5))
 
     def key_block(j, carry):

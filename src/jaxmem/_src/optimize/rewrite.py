@@ -56,7 +56,9 @@ class Tokens:
 
     @property
     def lengths(self) -> set[int]:
-        return {n for t, s, _ in self.attentions for n in (t, s)}
+        """The tokens' axis lengths: each attention's query and key lengths, and one less
+        (a language model's loss reads ``logits[:, :-1]`` against ``tokens[:, 1:]``)."""
+        return {n - k for t, s, _ in self.attentions for n in (t, s) for k in (0, 1) if n > k}
 
     def regions(self, jaxpr) -> list:
         key = id(jaxpr)
