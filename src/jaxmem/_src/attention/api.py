@@ -231,18 +231,9 @@ def _pad(x, axis: int, length: int):
     return jnp.pad(x, widths)
 
 
-def _grouped(x, kh: int, groups: int, tp: int, sp: int):
-    """A ``[B|1, N|1, T|1, S|1]`` bias or mask as ``[B|1, K|1, G|1, Tp|1, Sp|1]``, padded."""
-    x = _pad(_pad(x, 2, tp), 3, sp)
-    if x.shape[1] == 1:
-        return x[:, :, None]
-    return x.reshape(x.shape[0], kh, groups, *x.shape[2:])
-
-
-def _ungrouped(dx, like):
-    """A cotangent in :func:`_grouped`'s layout back in ``like``'s."""
-    dx = dx[:, :, :, : like.shape[2], : like.shape[3]] if dx.ndim == 5 else dx
-    return dx.reshape(like.shape).astype(like.dtype)
+def _padded(x, tp: int, sp: int):
+    """A ``[B|1, N|1, T|1, S|1]`` bias or mask padded to ``[B|1, N|1, Tp|1, Sp|1]``."""
+    return _pad(_pad(x, 2, tp), 3, sp)
 
 
 def _core(g: _blocks.Geometry):
@@ -253,10 +244,10 @@ def _core(g: _blocks.Geometry):
     def inputs(q, k, v, bias, mask, q_len, kv_len):
         b, _, n, _ = q.shape
         kh = k.shape[2]
-        grouped = lambda x: None if x is None else _grouped(x, kh, n // kh, tp, sp)
+        padded = lambda x: None if x is None else _padded(x, tp, sp)
         qg = _pad(q, 1, tp).reshape(b, tp, kh, n // kh, -1)
         kp, vp = _pad(k, 1, sp), _pad(v, 1, sp)
-        return _blocks.Inputs(qg, kp, vp, grouped(bias), grouped(mask), q_len, kv_len)
+        return _blocks.Inputs(qg, kp, vp, padded(bias), padded(mask), q_len, kv_len)
 
     def output(out, q):
         b, t, n, _ = q.shape
@@ -280,10 +271,12 @@ def _core(g: _blocks.Geometry):
         d_out = _pad(d_out, 1, tp).reshape(out.shape)
         dq, dk, dv, dbias = _blocks.backward(g, a, out, stats, d_out, bool(wants_dbias))
         return (
-            _ungrouped(dq[:, : q.shape[1]], q),
+            dq[:, : q.shape[1]].reshape(q.shape).astype(q.dtype),
             dk[:, : k.shape[1]].astype(k.dtype),
             dv[:, : v.shape[1]].astype(v.dtype),
-            None if dbias is None else _ungrouped(dbias, bias),
+            None
+            if dbias is None
+            else dbias[:, :, : bias.shape[2], : bias.shape[3]].astype(bias.dtype),
             None,
             None,
             None,

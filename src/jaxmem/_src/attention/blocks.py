@@ -105,8 +105,8 @@ class Inputs:
     q: jax.Array  # [B, Tp, K, G, H]
     k: jax.Array  # [B, Sp, K, H]
     v: jax.Array  # [B, Sp, K, Hv]
-    bias: jax.Array | None  # [B|1, K|1, G|1, Tp|1, Sp|1]
-    mask: jax.Array | None  # the same, bool
+    bias: jax.Array | None  # [B|1, N|1, Tp|1, Sp|1]: grouped block by block (not whole: a
+    mask: jax.Array | None  # the same, bool        reshape can be a copy on jax 0.10.2's XLA)
     q_len: jax.Array | None  # [B] int
     kv_len: jax.Array | None  # [B] int
 
@@ -124,14 +124,13 @@ def logits(g: Geometry, a: Inputs, i, j, qi, kj):
     s = jnp.einsum("bqkgh,bskh->bkgqs", qi, kj, preferred_element_type=jnp.float32)
     s = s * jnp.float32(g.scale)
     if a.bias is not None:
-        bias = _block(_block(a.bias, 3, i * g.bq, g.bq), 4, j * g.bk, g.bk)
-        s = s + bias.astype(jnp.float32)
+        s = s + _logit_block(a, a.bias, i, j, g).astype(jnp.float32)
     block = (1, 1, 1, g.bq, g.bk)
     qpos = i * g.bq + lax.broadcasted_iota(jnp.int32, block, 3)
     kpos = j * g.bk + lax.broadcasted_iota(jnp.int32, block, 4)
     keep = None
     if a.mask is not None:
-        keep = _block(_block(a.mask, 3, i * g.bq, g.bq), 4, j * g.bk, g.bk)
+        keep = _logit_block(a, a.mask, i, j, g)
     if g.causal:
         keep = _and(keep, kpos <= qpos)
     if g.window is not None:
@@ -144,6 +143,15 @@ def logits(g: Geometry, a: Inputs, i, j, qi, kj):
     if g.s % g.bk:  # keys past the end: padding of the last block
         s = jnp.where(kpos < g.s, s, -jnp.inf)
     return s, keep
+
+
+def _logit_block(a: Inputs, x, i, j, g: Geometry):
+    """Block ``(i, j)`` of a ``[B|1, N|1, Tp|1, Sp|1]`` bias or mask, as ``[B|1, K|1, G|1, bq|1,
+    bk|1]``."""
+    x = _block(_block(x, 2, i * g.bq, g.bq), 3, j * g.bk, g.bk)
+    if x.shape[1] == 1:
+        return x[:, :, None]
+    return x.reshape(x.shape[0], a.k.shape[2], -1, *x.shape[2:])
 
 
 def _and(a, b):
@@ -224,7 +232,7 @@ def backward(g: Geometry, a: Inputs, out, stats, d_out, wants_dbias: bool = True
     dq0 = _vjp_primitive.zeros_sharded_like(a.q.shape, jnp.float32, a.q, range(5))
     dbias0 = None
     if a.bias is not None and wants_dbias:
-        dbias0 = _vjp_primitive.zeros_sharded_like(a.bias.shape, jnp.float32, a.bias, range(5))
+        dbias0 = _vjp_primitive.zeros_sharded_like(a.bias.shape, jnp.float32, a.bias, range(4))
 
     def key_block(j, carry):
         dq, dk_all, dv_all, dbias = carry
@@ -272,10 +280,13 @@ def backward(g: Geometry, a: Inputs, out, stats, d_out, wants_dbias: bool = True
 
 
 def _add_block(dbias, ds, q0, k0, g: Geometry):
-    """``dbias`` with block ``ds`` ``[B, K, G, bq, bk]`` added at ``(q0, k0)``, summed over the
-    axes the bias broadcasts."""
-    sums = tuple(ax for ax in range(5) if dbias.shape[ax] == 1 and ds.shape[ax] != 1)
+    """``dbias`` ``[B|1, N|1, Tp|1, Sp|1]`` with block ``ds`` ``[B, K, G, bq, bk]`` added at
+    ``(q0, k0)``, summed over the axes the bias broadcasts."""
+    b, kh, groups, bq, bk = ds.shape
+    heads = (1, 2) if dbias.shape[1] == 1 else ()
+    sums = heads + tuple(ax for ax, d in ((0, 0), (3, 2), (4, 3)) if dbias.shape[d] == 1)
     ds = ds.sum(axis=sums, keepdims=True) if sums else ds
-    start = [0, 0, 0, q0 if dbias.shape[3] != 1 else 0, k0 if dbias.shape[4] != 1 else 0]
+    ds = ds.reshape(ds.shape[0], ds.shape[1] * ds.shape[2], *ds.shape[3:])
+    start = [0, 0, q0 if dbias.shape[2] != 1 else 0, k0 if dbias.shape[3] != 1 else 0]
     old = lax.dynamic_slice(dbias, start, ds.shape)
     return lax.dynamic_update_slice(dbias, old + ds, start)
