@@ -163,10 +163,13 @@ def attention(
     kernel), and what :func:`jaxmem.optimize` puts in place of it with ``chunk_tokens=True``.
 
     Args:
-      query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
-        key_value_seq_lengths, local_window_size: as :func:`jax.nn.dot_product_attention`.
-      block_q, block_k: the block sizes (default: :func:`default_block` of each length: up to
-        512, smaller where many heads would make a block's logits large).
+      query, key, value: ``[B, T, N, H]``, ``[B, S, K, H]``, ``[B, S, K, H]``.
+      bias, mask: broadcastable to ``[B, N, T, S]``; the mask boolean.
+      scale, is_causal: as :func:`jax.nn.dot_product_attention` (scale: ``1 / sqrt(H)``).
+      query_seq_lengths, key_value_seq_lengths: ``[B]`` integers, as jax.nn's.
+      local_window_size: an int or ``(left, right)``, as jax.nn's.
+      block_q, block_k: the block sizes (default: a power of two up to 512 from each length,
+        smaller where many heads would make a block's logits over 8 MiB).
 
     Returns:
       ``[B, T, N, H]`` (``[T, N, H]`` for three-dimensional inputs), in ``value``'s dtype.

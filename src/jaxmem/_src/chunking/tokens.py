@@ -88,6 +88,10 @@ def _visit(walk: _rows._Walk, i: int, eqn, lengths: frozenset) -> None:
     outs = [walk.required.get(v, _UNSET) for v in eqn.outvars if not _jc.is_drop_var(v)]
     if not outs or all(o is _UNSET for o in outs):
         return  # dead
+    if all(_rows._shape(v) == () for v in eqn.outvars):
+        # A sum to a scalar (a loss): its tail is autochunk's (optimize runs it after), chunk by
+        # chunk with the gradient in the forward pass, where a region would recompute it.
+        return
     ins = _rows.in_axes(eqn, outs) if all(isinstance(o, int) for o in outs) else None
     if ins is not None and not walk._conflicts(eqn, ins):
         nested = _rows._nested(eqn, ins, outs)

@@ -107,23 +107,28 @@ class Rewriter:
         """Evaluates a closed jaxpr (0.10 ``ClosedJaxpr``, 0.12 ``Jaxpr``) on ``args``."""
         return self.eval(_jc.open_jaxpr(closed), _jc.jaxpr_consts(closed), args)
 
-    def eval(self, jaxpr, consts: Sequence, args: Sequence) -> list:
+    def eval(self, jaxpr, consts: Sequence, args: Sequence, regions: bool = True) -> list:
         def apply(eqn, invals):
             with _jc.eqn_context(eqn):
                 return self._eqn(eqn, invals)
 
-        regions = [] if self.tokens is None or not self.rewrite else self.tokens.regions(jaxpr)
+        # A call's body (jit, inlined) is not chunked apart: its equation is row-wise as its
+        # body is (rows.py walks into it) and joins a region of the jaxpr that calls it, where a
+        # region of its own would hide the body from autochunk and from the caller's region.
+        chunked = regions and self.tokens is not None and self.rewrite
+        regions = self.tokens.regions(jaxpr) if chunked else []
         if regions:
             chunk_bytes = self.tokens.chunk_bytes
             run = lambda r, invals: _tokens.run_region(jaxpr, r, invals, chunk_bytes, "tokens")
             return _tokens.evaluate(jaxpr, consts, args, regions, apply, run)
         return _jc.eval_eqns(jaxpr, consts, args, apply)
 
-    def _sub(self, jaxpr_like) -> Callable:
+    def _sub(self, jaxpr_like, regions: bool = True) -> Callable:
         """A function evaluating ``jaxpr_like`` (open or closed) with this rewriter."""
         if _jc.is_closed_jaxpr(jaxpr_like):
-            return lambda *a: self.eval_closed(jaxpr_like, a)
-        return lambda *a: self.eval(jaxpr_like, [], a)
+            consts = _jc.jaxpr_consts(jaxpr_like)
+            return lambda *a: self.eval(_jc.open_jaxpr(jaxpr_like), consts, a, regions)
+        return lambda *a: self.eval(jaxpr_like, [], a, regions)
 
     def _eqn(self, eqn, invals: list) -> list:
         name = eqn.primitive.name
@@ -132,7 +137,7 @@ class Rewriter:
             return self._scan(eqn, invals)
         if name in _jc.CALL_PRIMITIVES:
             body = next(p for p in params.values() if _jc.is_jaxpr(p))
-            return self._sub(body)(*invals)
+            return self._sub(body, regions=False)(*invals)
         if self.op_names and self._depth > 0 and _jc.rule_is_body_derivative(eqn):
             # jax 0.12's logsumexp / softmax (a custom_jvp call whose rule is its body's
             # derivative): evaluated as its body, as 0.10.2 writes it, so its values are named.
