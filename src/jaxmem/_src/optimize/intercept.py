@@ -20,64 +20,40 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import threading
 from collections.abc import Iterator
 
 import jax
 import jaxlib
 
 from jaxmem._src import jax_compat as _jc
+from jaxmem._src.optimize import patching
 from jaxmem._src.optimize import rewrite as _rw
 
 # The scans bound here are the caller's: JAX's source lines skip this file, as its own.
 _jc.register_source_exclusion(__file__)
-
-_STATE = threading.local()  # .rewriters: this thread's active rewriters, innermost last
-_LOCK = threading.Lock()
-_ACTIVE = [0]  # traces catching, over every thread: the bind is set while any is
 
 
 @contextlib.contextmanager
 def catching(rewriter) -> Iterator[None]:
     """Within: every reverse-differentiated ``lax.scan`` bound in this thread runs through
     ``rewriter`` (:meth:`~jaxmem._src.optimize.rewrite.Rewriter.scan`)."""
-    stack = _rewriters()
-    stack.append(rewriter)
-    with _LOCK:
-        if _ACTIVE[0] == 0:
-            _jc.scan_p.bind = _bind  # the instance's attribute shadows Primitive.bind
-        _ACTIVE[0] += 1
-    try:
+    # The instance's attribute shadows Primitive.bind; removed again after the last trace.
+    with patching.replaced(_jc.scan_p, "bind", _bind, rewriter):
         yield
-    finally:
-        stack.pop()
-        with _LOCK:
-            _ACTIVE[0] -= 1
-            if _ACTIVE[0] == 0:
-                del _jc.scan_p.bind
-
-
-def _rewriters() -> list:
-    if not hasattr(_STATE, "rewriters"):
-        _STATE.rewriters = []
-    return _STATE.rewriters
 
 
 def _bind(*args, **params):
     def as_it_is():
         return type(_jc.scan_p).bind(_jc.scan_p, *args, **params)
 
-    stack = _rewriters()
-    if not stack or stack[-1] is None:
+    rewriter = patching.top(_jc.scan_p, "bind")
+    if rewriter is None:
         return as_it_is()
     if not _jc.reverse_mode_trace() or _from_jaxmem(sys._getframe(1)):
         return as_it_is()
-    rewriter = stack[-1]
-    stack.append(None)  # what running it binds (its step's scans: the rewriter's) passes
-    try:
+    # What running it binds (its step's scans: the rewriter's) passes.
+    with patching.passing(_jc.scan_p, "bind"):
         return rewriter.scan(params, _jc.current_source_info(), list(args), as_it_is)
-    finally:
-        stack.pop()
 
 
 def _folder(module) -> str:

@@ -18,17 +18,14 @@ acts for the thread that swapped it and calls the original for any other.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Iterator
 
 import jax
 
 from jaxmem._src import jax_compat as _jc
 from jaxmem._src.attention import api as _attention
+from jaxmem._src.optimize import patching
 
-_STATE = threading.local()  # per thread: name -> its active swaps, innermost last
-_LOCK = threading.Lock()
-_ACTIVE: dict = {}  # (module, name) -> traces swapping it, over every thread
 # Called as (query, key, value, bias, mask, is_causal, scale, q_seqlen, kv_seqlen,
 # local_window_size, return_residual), the last six by keyword (0.10.2 and 0.12).
 XLA_ATTENTION = "_dot_product_attention_xla"
@@ -38,65 +35,31 @@ _jc.register_source_exclusion(__file__)  # an attention swapped is at its caller
 
 
 @contextlib.contextmanager
-def _swapped(module, name: str, replacement, state) -> Iterator[None]:
-    """``module.name`` is ``replacement`` while any thread is within; ``state`` is this
-    thread's for the time (:func:`_top`)."""
-    stack = _stack(name)
-    stack.append(state)
-    with _LOCK:
-        key = (module, name)
-        if _ACTIVE.get(key, 0) == 0:
-            _ACTIVE[(key, "original")] = getattr(module, name)
-            setattr(module, name, replacement)
-        _ACTIVE[key] = _ACTIVE.get(key, 0) + 1
-    try:
-        yield
-    finally:
-        stack.pop()
-        with _LOCK:
-            _ACTIVE[key] -= 1
-            if _ACTIVE[key] == 0:
-                setattr(module, name, _ACTIVE.pop((key, "original")))
-
-
-def _stack(name: str) -> list:
-    if not hasattr(_STATE, "stacks"):
-        _STATE.stacks = {}
-    return _STATE.stacks.setdefault(name, [])
-
-
-def _top(name: str):
-    """This thread's innermost swap of ``name`` (None: none, or one turned off)."""
-    stack = _stack(name)
-    return stack[-1] if stack else None
-
-
-@contextlib.contextmanager
 def swapping(record: list, wrap: Callable[[Callable], Callable]) -> Iterator[None]:
     """Within: this thread's calls of jax.nn's XLA attention run blocked, each appending
     ``(query length, key length, "file:line (function)")`` to ``record``; the functions
     ``jax.grad`` and ``jax.value_and_grad`` are given differentiate ``wrap(fun)``."""
     with (
-        _swapped(_jc.nn_functions, XLA_ATTENTION, _blocked_xla, record),
-        _swapped(jax, "grad", _grad, wrap),
-        _swapped(jax, "value_and_grad", _value_and_grad, wrap),
+        patching.replaced(_jc.nn_functions, XLA_ATTENTION, _blocked_xla, record),
+        patching.replaced(jax, "grad", _grad, wrap),
+        patching.replaced(jax, "value_and_grad", _value_and_grad, wrap),
     ):
         yield
 
 
 def _grad(fun, *args, **kwargs):
-    wrap = _top("grad")
+    wrap = patching.top(jax, "grad")
     return _GRAD(fun if wrap is None else wrap(fun), *args, **kwargs)
 
 
 def _value_and_grad(fun, *args, **kwargs):
-    wrap = _top("value_and_grad")
+    wrap = patching.top(jax, "value_and_grad")
     return _VALUE_AND_GRAD(fun if wrap is None else wrap(fun), *args, **kwargs)
 
 
 def _blocked_xla(query, key, value, bias, mask, *args, **kwargs):
     params = _xla_params(*args, **kwargs)
-    record = _top(XLA_ATTENTION)
+    record = patching.top(_jc.nn_functions, XLA_ATTENTION)
     if record is None or params["return_residual"]:
         return _ORIGINAL(query, key, value, bias, mask, *args, **kwargs)
     b, t, n, _ = query.shape
