@@ -418,10 +418,10 @@ def _close(jaxpr, reduction: int, walk: _Walk) -> None:
                 changed = True
 
 
-def _users(jaxpr) -> dict[Any, set[int]]:
+def _users(jaxpr, dead_read: bool = False) -> dict[Any, set[int]]:
     """The equations that read each variable. Dead equations (``_ = sign z`` in jnp.log of a
-    sum) read nothing."""
-    dead_set = dead(jaxpr)
+    sum) read nothing unless ``dead_read``."""
+    dead_set = set() if dead_read else dead(jaxpr)
     users: dict[Any, set[int]] = {}
     for i, eqn in enumerate(jaxpr.eqns):
         if i in dead_set:

@@ -199,15 +199,6 @@ def _needs_itself(jaxpr, group: list[int], inputs: set, outputs: set) -> bool:
     return bool(reach & inputs)
 
 
-def _users(jaxpr) -> dict:
-    users: dict = {}
-    for i, eqn in enumerate(jaxpr.eqns):
-        for v in eqn.invars:
-            if _jc.is_var(v):
-                users.setdefault(v, set()).add(i)
-    return users
-
-
 def find_regions(jaxpr, lengths: Sequence[int], min_bytes: int) -> list[Region]:
     """The token-wise regions of ``jaxpr`` whose intermediates add up to over ``min_bytes`` and
     over each of their outputs (chunking them saves memory)."""
@@ -218,7 +209,9 @@ def find_regions(jaxpr, lengths: Sequence[int], min_bytes: int) -> list[Region]:
     _need_whole(walk, jaxpr.outvars, lengths)
     for i in range(len(jaxpr.eqns) - 1, -1, -1):
         _visit(walk, i, jaxpr.eqns[i], lengths)
-    users = _users(jaxpr)
+    # Dead equations' reads count: evaluate runs every equation, so a region's value a dead one
+    # reads must exist outside it.
+    users = _rows._users(jaxpr, dead_read=True)
     found = []
     for group in _staged(jaxpr, walk):
         region = _region(jaxpr, group, walk, users)
