@@ -66,6 +66,7 @@ SCRIPT_TESTS = --ignore=tests/benchmarks/test_demo.py \
 	--ignore=tests/benchmarks/test_optimize_benchmark.py \
 	--ignore=tests/benchmarks/test_budget_benchmark.py \
 	--ignore=tests/benchmarks/test_compress_benchmark.py \
+	--ignore=tests/benchmarks/test_long_context.py \
 	--deselect=tests/flax/test_lm1b.py::test_benchmark_quick \
 	--deselect=tests/remat/test_planner.py::test_heldout_gpt_plans_fit_and_beat_every_fitting_preset
 
