@@ -45,7 +45,9 @@ def lint(fn: Callable, *args: Any, **kwargs: Any) -> tuple[Finding, ...]:
       :func:`jaxmem.optimize` or a :mod:`jaxmem.flax` layer) with which the gradient's
       compiled temp is no lower than without it (``jax.jit(jax.grad(fn))`` compiled both ways
       at XLA:CPU's fast level, whose temp and FLOPs are those of the default: the message gives
-      both). An option is turned off at one call site at a time.
+      both). An option is turned off at one call site at a time. Also
+      ``optimize(..., chunk_tokens=True)`` where the function calls no attention it runs
+      blocked (warned where it is traced).
 
     The first three kinds and the ``option_noop`` cases decidable without compiling are also
     warned, as :class:`jaxmem.LintWarning`, where a jaxmem loop is traced with the setting.
