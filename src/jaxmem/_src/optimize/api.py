@@ -324,7 +324,7 @@ class Optimized:
             caught = self._rewriter(setting, tokens=tokens)
             closed, arrays, outputs = self._traced(args, kwargs, caught)
             if tokens is not None and self._shared_tokens is None and not tokens.attentions:
-                _no_attention_found()
+                _swaps.warn_no_attention()
             rewriter = self._rewriter(setting, tokens=tokens)
             run = lambda *a: rewriter.eval_closed(closed, a)
             if self._chunk_loss:
@@ -440,24 +440,8 @@ class Optimized:
         jax.eval_shape(lambda *a: rewriter.eval_closed(closed, a), *arrays)
         lines = [f"attention at {where}: blocked ({t} x {s})" for t, s, where in tokens.attentions]
         if not tokens.attentions:
-            lines.append(
-                "chunk_tokens: no jax.nn.dot_product_attention call on the XLA path: no "
-                "sequence length to chunk over, nothing chunked"
-            )
+            lines.append(_swaps.NO_ATTENTION)
         return (*lines, *(f"chunked: {c}" for c in dict.fromkeys(tokens.chunked)))
-
-
-def _no_attention_found() -> None:
-    """``option_noop`` for ``chunk_tokens=True`` where the trace called no attention it runs
-    blocked: no token length is known, so nothing is chunked along the tokens."""
-    _findings.report(
-        "option_noop",
-        "chunk_tokens=True",
-        "found no jax.nn.dot_product_attention call on its XLA path (nnx.MultiHeadAttention's "
-        "included), so nothing is chunked along the tokens: attention written with einsums, "
-        "Flax linen's or Equinox's is not recognised (docs/long_context.md)",
-        _findings.user_site(),
-    )
 
 
 def _runs_as(setting: _budget.Setting) -> str:
@@ -637,9 +621,8 @@ def optimize(
         backward (``policy=jax.checkpoint_policies.nothing_saveable``), its step recomputed
         chunk by chunk. In a function that differentiates inside, the ``jax.grad`` and
         ``jax.value_and_grad`` it calls differentiate their function run as ``optimize`` runs
-        it (its loss head chunked too). ``explain`` lists what was chunked. A trace that
-        calls no such attention warns ``option_noop`` (:class:`jaxmem.LintWarning`): the
-        token lengths come from the attentions, so nothing is chunked along the tokens.
+        it (its loss head chunked too). ``explain`` lists what was chunked. With no such
+        attention, nothing is (the lengths are the attentions'): it warns ``option_noop``.
 
     Returns:
       An :class:`Optimized` function with ``fn``'s signature and ``.explain(*args, **kwargs)``.

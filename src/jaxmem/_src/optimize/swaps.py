@@ -25,6 +25,7 @@ import jax
 from jaxmem._src import jax_compat as _jc
 from jaxmem._src.attention import api as _attention
 from jaxmem._src.optimize import patching
+from jaxmem._src.scan import findings as _findings
 
 # Called as (query, key, value, bias, mask, is_causal, scale, q_seqlen, kv_seqlen,
 # local_window_size, return_residual), the last six by keyword (0.10.2 and 0.12).
@@ -85,3 +86,23 @@ def _xla_params(*args, **kwargs) -> dict:
     params.update(kwargs)
     params.setdefault("return_residual", False)
     return params
+
+
+NO_ATTENTION = (
+    "chunk_tokens: no jax.nn.dot_product_attention call on the XLA path: no sequence length to "
+    "chunk over, nothing chunked"
+)
+"""What ``explain`` says where no attention was swapped."""
+
+
+def warn_no_attention() -> None:
+    """``option_noop`` for ``chunk_tokens=True`` where the trace called no attention it runs
+    blocked: no token length is known, so nothing is chunked along the tokens."""
+    _findings.report(
+        "option_noop",
+        "chunk_tokens=True",
+        "found no jax.nn.dot_product_attention call on its XLA path (nnx.MultiHeadAttention's "
+        "included), so nothing is chunked along the tokens: attention written with einsums, "
+        "Flax linen's or Equinox's is not recognised (docs/long_context.md)",
+        _findings.user_site(),
+    )
