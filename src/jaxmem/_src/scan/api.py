@@ -241,7 +241,9 @@ def scan(
         recurrence compounds it). It applies to first-order reverse mode (under ``jit``, ``vmap``,
         ``jax.checkpoint``); higher-order differentiation (``jax.hessian``, grad of grad)
         raises ``NotImplementedError``: no derivative flows through the kept integer bits.
-        Not with ``checkpoints``.
+        Not with ``checkpoints``. Kept only where the loop's gradient, compiled alone with and
+        without it when the loop is first differentiated, has less temp with it; else the loop
+        runs without it and warns ``option_noop``.
 
     Returns:
       ``(final_carry, stacked_ys)``, as :func:`jax.lax.scan`.

@@ -106,6 +106,11 @@ class _Reads(NamedTuple):
     out_read: list[bool]  # per kept carry sequence: its carry-out is read
 
 
+def _encodes(step) -> bool:
+    """Whether a step's plan keeps a value encoded (under ``compress=``)."""
+    return any(e.format is not None for e in (*step.enc_stacked, *step.enc_carry))
+
+
 class _LeanScan:
     """The custom VJP of one :func:`scan`: a forward loop that emits the partial activations
     and a reverse loop that rebuilds each step's residuals from them (docs/design.md §2)."""
@@ -124,6 +129,10 @@ class _LeanScan:
         # Whether the backward loop runs rolled (:attr:`backward_unroll`; None: where the loop
         # is unrolled whole). :mod:`jaxmem._src.scan.unrolled` chooses, by compiling.
         self.roll_backward: bool | None = None
+        # With compress=: ``measure_compress(rules) -> (temp with, temp without) | None``, the
+        # loop's gradient compiled alone both ways (set by :mod:`jaxmem._src.scan.primitive`,
+        # which binds loops; None: compress kept as given). See :attr:`plan`.
+        self.measure_compress = None
 
     @functools.cached_property
     def plan(self) -> _StackLayout:
@@ -132,9 +141,25 @@ class _LeanScan:
         in_avals = [v.aval for v in _jc.open_jaxpr(jaxpr).invars]
         opts = self.opts
         names = opts.offload if isinstance(opts.offload, frozenset) else frozenset()
-        step = _res.plan_step(
-            jaxpr, self.n_consts, self.body.n_carry, in_avals, opts.recompute, names, opts.compress
-        )
+
+        def plan_step(compress):
+            n_carry = self.body.n_carry
+            return _res.plan_step(
+                jaxpr, self.n_consts, n_carry, in_avals, opts.recompute, names, compress
+            )
+
+        step = plan_step(opts.compress)
+        if opts.compress is not None and self.measure_compress is not None and _encodes(step):
+            # Encoded values small beside what the backward pass holds anyway (weights and
+            # their gradients) can cost XLA's schedule more than they save: compress is kept
+            # only where the loop's gradient compiles to less temp with it. Made here, when
+            # the loop is differentiated, so that a forward pass compiles nothing more.
+            temps = self.measure_compress(self)
+            if temps is not None and temps[0] >= temps[1]:
+                if opts.site is not None:
+                    _lint.check_compress_temps(opts, temps, opts.site)
+                opts = self.opts = dataclasses.replace(opts, compress=None)
+                step = plan_step(None)
         stacked, carry = _offload_masks(step, opts.offload, opts.fname)
         collectors = _PLAN_COLLECTORS.get()
         if collectors:  # The summary traces stock lax.scan: only when someone asks.

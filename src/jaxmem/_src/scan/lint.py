@@ -163,6 +163,19 @@ def check_plan(layout, opts, site) -> None:
         )
 
 
+def check_compress_temps(opts, temps: tuple[int, int], site) -> None:
+    """``option_noop`` for ``compress=`` whose loop's gradient compiles to no less temp than
+    without it (``temps``: with, without), so the loop runs without it."""
+    _findings.report(
+        "option_noop",
+        f"compress={opts.compress!r}",
+        f"saves nothing in this {opts.fname}: its gradient compiles to {temps[0]:,d} B of "
+        f"temp with it and {temps[1]:,d} B without (the values kept are small beside what the "
+        "backward pass holds anyway), so the loop runs without it. Drop compress=.",
+        site,
+    )
+
+
 def _check_offload(layout, opts, site: Any) -> None:
     moved = any(layout.offload_stacked) or any(layout.offload_carry)
     subject = f"offload={_offload_repr(opts.offload)}"

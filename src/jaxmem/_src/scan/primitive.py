@@ -35,6 +35,7 @@ from jax.custom_derivatives import CustomVJPPrimal
 from jax.tree_util import tree_unflatten
 
 from jaxmem._src import jax_compat as _jc
+from jaxmem._src.scan import findings as _findings
 from jaxmem._src.scan import lint as _lint
 from jaxmem._src.scan import options as _opts
 from jaxmem._src.scan import summary as _summary
@@ -63,7 +64,42 @@ class Loop(NamedTuple):
 
     def lean(self, reverse: bool, opts: _opts.ScanOptions) -> _LeanScan:
         """The lean VJP's rules for this loop."""
-        return _LeanScan(self.body, self.length, reverse, opts, self.spaces)
+        rules = _LeanScan(self.body, self.length, reverse, opts, self.spaces)
+        rules.measure_compress = _compress_temps
+        return rules
+
+
+_COMPRESS_TEMPS: dict = {}
+
+
+def _compress_temps(rules) -> tuple[int, int] | None:
+    """The compiled temp bytes of the loop's gradient alone with its ``compress=`` and without
+    (:func:`jaxmem._src.scan.unrolled.compiled_temp`; None where either does not compile
+    alone), cached per loop signature: two compilations at the first of each."""
+    body = _jc.open_jaxpr(rules.body.jaxpr)
+    avals = [v.aval for v in body.invars]
+    n, c = rules.n_consts, rules.body.n_carry
+    xs = tuple(_jc.stacked(a, rules.length) for a in avals[n + c :])
+    in_avals = (tuple(avals[:n]), tuple(avals[n : n + c]), xs)
+    opts = dataclasses.replace(rules.opts, site=None, fname="")
+    key = (str(rules.body.jaxpr), in_avals, rules.length, bool(rules.reverse), opts)
+    if key not in _COMPRESS_TEMPS:
+
+        def program(compress):
+            probe = _LeanScan.__new__(_LeanScan)
+            probe.__dict__.update(
+                {k: v for k, v in rules.__dict__.items() if k != "plan"},
+                opts=dataclasses.replace(opts, compress=compress),
+                measure_compress=None,
+            )
+            return lambda *g: _bind(probe, tuple(tuple(x) for x in g))
+
+        with _quiet_plans(), _findings.collecting():
+            temps = tuple(
+                _unrolled.compiled_temp(program(c), in_avals) for c in (opts.compress, None)
+            )
+        _COMPRESS_TEMPS[key] = None if None in temps else temps
+    return _COMPRESS_TEMPS[key]
 
 
 def trace_loop(f, init, xs, length, opts: _opts.ScanOptions, diff_consts=False) -> Loop:
