@@ -86,12 +86,10 @@ def _compress_temps(rules) -> tuple[int, int] | None:
     if key not in _COMPRESS_TEMPS:
 
         def program(compress):
-            probe = _LeanScan.__new__(_LeanScan)
-            probe.__dict__.update(
-                {k: v for k, v in rules.__dict__.items() if k != "plan"},
-                opts=dataclasses.replace(opts, compress=compress),
-                measure_compress=None,
-            )
+            probe = copy.copy(rules)  # as the unrolled chooser's variants; its own plan
+            probe.__dict__.pop("plan", None)
+            probe.opts = dataclasses.replace(opts, compress=compress)
+            probe.measure_compress = None
             return lambda *g: _bind(probe, tuple(tuple(x) for x in g))
 
         with _quiet_plans(), _findings.collecting():
