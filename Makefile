@@ -7,8 +7,9 @@
 # Python and jax it uses. TEST_ARGS picks what pytest runs (default: the whole suite).
 #   make test-compat   the oldest supported set-up: PYTHON=python3.11 (pip gives jax 0.10.2),
 #                      TEST_ARGS="tests src/jaxmem README.md docs": everything but the notebooks and
-#                      the tests of the demo and benchmark scripts (SCRIPT_TESTS), and a third of
-#                      the seeds of the random-body suites (JAXMEM_SAMPLE_EVERY=3, conftest.py)
+#                      the tests of the demo and benchmark scripts (SCRIPT_TESTS)
+# JAXMEM_SHARD=i/n runs shard i of n of what either selects and JAXMEM_DRAWS=k one in k of the
+# random draws (conftest.py): .ci/run splits the suite between the two set-ups.
 #   make test PYTHON=python3.11 TEST_ARGS=tests/test_api.py   any interpreter, any selection
 
 # $(call resolve,python3.13): absolute path of that interpreter, empty when it does not run. A
@@ -50,25 +51,13 @@ test: $(STAMP)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadscope -q $(TEST_ARGS)
 
 test-compat:
-	JAXMEM_SAMPLE_EVERY=3 $(MAKE) test PYTHON=python3.11 TEST_ARGS="$(SLOW_FIRST) tests src/jaxmem README.md docs $(SCRIPT_TESTS)"
+	$(MAKE) test PYTHON=python3.11 TEST_ARGS='$(SLOW_FIRST) tests src/jaxmem README.md docs $(SCRIPT_TESTS)'
 
 # The tests of the demo and benchmark scripts (code outside the library, whose JAX-dependent
-# parts the library tests cover on both versions) run on the newest Python only: CI time. So
-# does the planner's frontier of the held-out GPT, a benchmarks.planner run (the planner is
-# tested on both versions on the reference GPT's frontier).
-SCRIPT_TESTS = --ignore=tests/benchmarks/test_demo.py \
-	--ignore=tests/benchmarks/test_spmd_benchmark.py \
-	--ignore=tests/benchmarks/test_long_rnn_benchmark.py \
-	--ignore=tests/benchmarks/test_chunking_benchmark.py \
-	--ignore=tests/benchmarks/test_losses_benchmark.py \
-	--ignore=tests/benchmarks/test_reversible_benchmark.py \
-	--ignore=tests/benchmarks/test_peers_benchmark.py \
-	--ignore=tests/benchmarks/test_optimize_benchmark.py \
-	--ignore=tests/benchmarks/test_budget_benchmark.py \
-	--ignore=tests/benchmarks/test_compress_benchmark.py \
-	--ignore=tests/benchmarks/test_long_context.py \
-	--deselect=tests/flax/test_lm1b.py::test_benchmark_quick \
-	--deselect=tests/remat/test_planner.py::test_heldout_gpt_plans_fit_and_beat_every_fitting_preset
+# parts the library tests cover on both versions) are marked newest: they run on the newest
+# Python only (CI time). So does the planner's frontier of the held-out GPT, a benchmarks.planner
+# run (the planner is tested on both versions on the reference GPT's frontier).
+SCRIPT_TESTS = -m "not newest"
 
 demo: $(STAMP)
 	$(PY) -m jaxmem demo

@@ -14,6 +14,7 @@ import atexit
 import os
 import shutil
 import tempfile
+import zlib
 
 _FLAGS = ["--xla_force_host_platform_device_count=8"]
 if os.environ.get("CI"):
@@ -47,43 +48,77 @@ if _CACHE is not None:  # also where a plugin imported jax before the variables 
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-# Tests marked ``sampled`` (the random-body suites, parametrized by ``seed``, and the largest
-# option-by-transformation matrices) run every case by default. For CI time, JAXMEM_SAMPLE_EVERY=k
-# keeps one case in k (those of index 0 mod k: make test-compat, the oldest jax) and
-# JAXMEM_SAMPLE_OTHERS=k the rest (.ci/run's make test, the newest jax), so that one CI run runs
-# each case once, on one of the two versions. A seeded draw's index is its seed; another
-# matrix's, its position in collection order (tests/scan/test_primitive.py orders its matrix so
-# that every transformation runs on both). Named seeds (the known gaps, the fixed ones) are not
-# marked and always run.
-_SAMPLE_EVERY = int(os.environ.get("JAXMEM_SAMPLE_EVERY", "1"))
-_SAMPLE_OTHERS = int(os.environ.get("JAXMEM_SAMPLE_OTHERS", "1"))
+# CI runs the suite on two set-ups, the newest jax and the oldest (.ci/run), and for CI time
+# runs each test once, on one of them: JAXMEM_SHARD=i/n keeps the tests of shard i of n (unset:
+# all). A test module goes whole to the shard its path hashes to, so that what its tests share
+# (module fixtures, cached references) is built once. The cases of a test marked ``sampled`` (the
+# random-body draws and the largest option-by-transformation matrices, whose cases share
+# nothing) alternate between the shards instead, each by its position in collection order (a
+# seeded draw by its seed), so that they run on both versions. Tests marked ``newest`` (the
+# notebooks' and the demo and benchmark scripts', which make test-compat does not collect) go to
+# shard 0, the newest set-up's; tests marked ``both`` (regressions found on one version, kept on
+# each) to every shard.
+#
+# JAXMEM_DRAWS=k keeps one in k of the seeded draws of the tests marked ``sampled`` (index 0 mod
+# k; unset: all), before the shards are drawn, and of the examples of the hypothesis searches
+# (tests/helpers.draws). Named seeds (the known gaps, the fixed ones) are not marked.
+def _fraction(name, default):
+    text = os.environ.get(name, default)
+    try:
+        i, n = (int(v) for v in text.split("/"))
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: expected i/n, e.g. 0/2") from None
+    if not 0 <= i < n:
+        raise ValueError(f"{name}={text!r}: i must be in [0, n)")
+    return i, n
+
+
+_SHARD, _SHARDS = _fraction("JAXMEM_SHARD", "0/1")
+_DRAWS = int(os.environ.get("JAXMEM_DRAWS", "1"))
 
 
 def pytest_configure(config):
     config.addinivalue_line(
         "markers",
-        "sampled: a random draw or a large matrix that JAXMEM_SAMPLE_EVERY=k thins to 1 case in k"
-        " (JAXMEM_SAMPLE_OTHERS=k: to the others)",
+        "sampled: cases that alternate between the shards of JAXMEM_SHARD (seeded draws:"
+        " JAXMEM_DRAWS=k keeps 1 in k)",
+    )
+    config.addinivalue_line("markers", "both: runs in every shard of JAXMEM_SHARD")
+    config.addinivalue_line(
+        "markers",
+        "newest: runs on the newest set-up only (make test-compat deselects it; shard 0 of"
+        " JAXMEM_SHARD)",
     )
 
 
+def _shard_of(item, index):
+    if item.get_closest_marker("newest") or item.nodeid.endswith(".ipynb"):
+        return 0
+    if index is not None:
+        name = item.nodeid.split("[")[0]
+        return (zlib.crc32(name.encode()) + index) % _SHARDS
+    return zlib.crc32(item.nodeid.split("::")[0].encode()) % _SHARDS
+
+
 def pytest_collection_modifyitems(config, items):
-    if _SAMPLE_EVERY <= 1 and _SAMPLE_OTHERS <= 1:
+    if _SHARDS <= 1 and _DRAWS <= 1:
         return
     kept, dropped, position = [], [], {}
     for item in items:
-        callspec = getattr(item, "callspec", None)
-        if callspec is None or not item.get_closest_marker("sampled"):
-            kept.append(item)
-            continue
-        seed = callspec.params.get("seed")
-        if isinstance(seed, int):
-            index = seed
-        else:
+        index, draw = None, False
+        if item.get_closest_marker("sampled") and hasattr(item, "callspec"):
+            seed = item.callspec.params.get("seed")
             name = item.nodeid.split("[")[0]
-            index = position[name] = position.get(name, -1) + 1
-        keep = index % _SAMPLE_EVERY == 0 and (_SAMPLE_OTHERS <= 1 or index % _SAMPLE_OTHERS != 0)
-        (kept if keep else dropped).append(item)
+            position[name] = position.get(name, -1) + 1
+            draw = isinstance(seed, int)
+            index = seed if draw else position[name]
+        if draw and index % _DRAWS:
+            dropped.append(item)
+            continue
+        if draw:
+            index //= _DRAWS
+        both = item.get_closest_marker("both") is not None
+        (kept if both or _shard_of(item, index) == _SHARD else dropped).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept

@@ -6,6 +6,7 @@ lowered module's host placements.
 from __future__ import annotations
 
 import functools
+import os
 import zlib
 from collections.abc import Callable
 
@@ -31,6 +32,12 @@ JAX_VERSION = tuple(int(part) for part in jax.__version__.split(".")[:3])
 
 # ------------------------------------------------------------------------------------------
 # Comparison helpers and references.
+
+
+def draws(n: int) -> int:
+    """How many of ``n`` random draws a test makes: one in ``JAXMEM_DRAWS`` (CI time; the seeded
+    draws of tests marked ``sampled`` are thinned alike by conftest.py), at least one."""
+    return max(1, n // int(os.environ.get("JAXMEM_DRAWS", "1")))
 
 
 def _is_float(x) -> bool:

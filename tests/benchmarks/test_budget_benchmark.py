@@ -8,6 +8,9 @@ import pytest
 import jaxmem
 from benchmarks import budget
 
+# A script's test: it runs on the newest set-up only (CI time; conftest.py).
+pytestmark = pytest.mark.newest
+
 
 def test_quick_run(tmp_path, capsys):
     out, png = tmp_path / "budget.json", tmp_path / "frontier.png"

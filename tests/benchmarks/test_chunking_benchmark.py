@@ -2,7 +2,12 @@
 
 import json
 
+import pytest
+
 from benchmarks import chunking
+
+# A script's test: it runs on the newest set-up only (CI time; conftest.py).
+pytestmark = pytest.mark.newest
 
 
 def test_quick_run_prints_every_table(tmp_path, capsys):

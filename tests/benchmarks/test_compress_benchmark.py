@@ -11,6 +11,9 @@ import pytest
 
 from benchmarks import compress
 
+# A script's test: it runs on the newest set-up only (CI time; conftest.py).
+pytestmark = pytest.mark.newest
+
 
 def test_stack_is_the_issues_transformer():
     params, x = jax.eval_shape(lambda: compress.stack_args(compress.FULL, 4))

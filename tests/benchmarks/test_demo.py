@@ -17,6 +17,9 @@ from jaxmem import __main__ as cli
 from jaxmem.demo import cli as demo
 from jaxmem.demo import models, plots
 
+# A script's test: it runs on the newest set-up only (CI time; conftest.py).
+pytestmark = pytest.mark.newest
+
 TINY = ["--layers", "2", "--d-model", "32", "--heads", "2", "--d-ff", "64", "--vocab", "128"]
 TINY += ["--seq", "16", "--batch", "2"]
 

@@ -13,6 +13,9 @@ import jaxmem
 from benchmarks import long_context
 from benchmarks.models import llama_long, llama_long_nnx
 
+# A script's test: it runs on the newest set-up only (CI time; conftest.py).
+pytestmark = pytest.mark.newest
+
 CFG = llama_long.LlamaConfig(d_model=32, num_heads=2, vocab_size=64)
 GQA = llama_long.LlamaConfig(d_model=32, num_heads=4, num_kv_heads=2, vocab_size=64)
 S = 64

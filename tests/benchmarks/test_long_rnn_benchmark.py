@@ -16,6 +16,9 @@ import pytest
 from benchmarks import long_rnn
 from benchmarks.long_rnn import LAX, LEAN, SQRT, Check, Column, Point
 
+# A script's test: it runs on the newest set-up only (CI time; conftest.py).
+pytestmark = pytest.mark.newest
+
 HAS_EQUINOX = importlib.util.find_spec("equinox") is not None
 
 

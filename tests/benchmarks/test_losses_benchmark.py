@@ -2,7 +2,12 @@
 
 import json
 
+import pytest
+
 from benchmarks import losses
+
+# A script's test: it runs on the newest set-up only (CI time; conftest.py).
+pytestmark = pytest.mark.newest
 
 
 def test_tiled_quick_run(tmp_path, capsys):

@@ -5,8 +5,12 @@ import json
 
 import jax
 import numpy as np
+import pytest
 
 from benchmarks import reversible
+
+# A script's test: it runs on the newest set-up only (CI time; conftest.py).
+pytestmark = pytest.mark.newest
 
 
 def test_variants_equal_the_direct_loop():

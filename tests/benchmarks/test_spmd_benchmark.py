@@ -9,6 +9,9 @@ import pytest
 from benchmarks import cases, spmd
 from benchmarks.harness import STOCK, Column
 
+# A script's test: it runs on the newest set-up only (CI time; conftest.py).
+pytestmark = pytest.mark.newest
+
 
 def test_model_is_cases_prelm_block():
     # At cases.prelm_block's sizes the parameters are its own, in the heads layout ...

@@ -101,6 +101,7 @@ def test_outputs_and_gradients_match_with_dropout(inits):
     assert_trees_equal(g_stock2, g_ours2)
 
 
+@pytest.mark.newest  # a benchmark script's run: the newest set-up only (CI time)
 def test_benchmark_quick(tmp_path, capsys):
     path = tmp_path / "lm1b.json"
     assert lm1b.main(["--quick", "--json", str(path)]) == 0

@@ -158,6 +158,7 @@ def test_plan_json_round_trip_and_str(gpt):
 # written apart from the planner.
 
 
+@pytest.mark.newest  # a benchmark script's run: the newest set-up only (CI time)
 def test_heldout_gpt_plans_fit_and_beat_every_fitting_preset():
     bench, config = _bench()
     make = bench.heldout(config)

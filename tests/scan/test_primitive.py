@@ -132,8 +132,8 @@ def _reference(mode: str, reverse: bool = False, next_remat: bool = False):
 # reverse and unroll only: policy, offload and recompute take the code path of "lean" exactly, so
 # those option-mode pairs are left out (unroll2, reverse and checkpoints2 keep every mode).
 SAME_FORWARD_AS_LEAN = {"policy_dots", "policy_nothing", "offload", "cheap"}
-# Mode-major: thinned to one case in three (tests marked sampled, conftest.py), every mode still
-# runs with a third of the options.
+# Mode-major, so that where CI splits the cases between two set-ups (conftest.py), every mode
+# runs on both with half of the options.
 TRANSFORMATIONS = [
     (option, mode)
     for mode in MODES

@@ -131,18 +131,20 @@ FOUND_ABOVE = (
 )  # fmt: skip
 
 
-# Found above on jax 0.10.2 too; the others, found on 0.12 (whose lax.scan is the leaner), run
-# there only (CI time: test-compat runs one in three of the random bodies on 0.10.2).
+# Found above on jax 0.10.2 too (marked both: CI's split runs them on each set-up, conftest.py);
+# the others, found on 0.12 (whose lax.scan is the leaner), run there only (marked newest).
 FOUND_ON_0_10 = (1002, 1365, 2040, 2103, 2154, 2300, 4104)
 _ON_0_10 = jax.__version__.startswith("0.10")
+_ON_0_12_ONLY = (
+    pytest.mark.newest,
+    pytest.mark.skipif(_ON_0_10, reason="found on jax 0.12, run there"),
+)
 
 
 @pytest.mark.parametrize(
     "seed",
     [
-        pytest.param(s, marks=pytest.mark.skipif(_ON_0_10, reason="found on jax 0.12, run there"))
-        if s not in FOUND_ON_0_10
-        else s
+        pytest.param(s, marks=pytest.mark.both if s in FOUND_ON_0_10 else _ON_0_12_ONLY)
         for s in FOUND_ABOVE
     ],
 )

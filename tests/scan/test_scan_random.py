@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 import jaxmem
 
 # The comparison rules and references are the hand-written corpus's (tests/helpers.py).
-from tests.helpers import F32_RTOL, LOW_RTOL, assert_trees_close, loop_scan
+from tests.helpers import F32_RTOL, LOW_RTOL, assert_trees_close, draws, loop_scan
 from tests.scan.corpus import layernorm
 
 T, S = 3, 3  # steps; the carry is a square [S, S] matrix, so transposes keep its shape.
@@ -192,7 +192,7 @@ def outputs_and_grads(prog: Program, scan):
 
 
 @settings(
-    max_examples=60,
+    max_examples=draws(60),
     deadline=None,
     derandomize=True,  # reproducible in CI
     database=None,

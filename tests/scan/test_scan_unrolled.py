@@ -62,14 +62,17 @@ def test_rnn_unrolled_whole_below_stock(t, b, d, reverse):
 # None above the bar. Fixed: 25 (a loss of the final carry alone: 1.88x when the chooser
 # compiled a loss of every output only) and 26 (policy="nothing"; 1.52x on jax 0.10.2, where
 # lax.scan's VJP ran the step under jaxmem's jax.checkpoint(prevent_cse=False) and XLA merged
-# the recompute with the forward pass), which runs on both versions (not sampled).
+# the recompute with the forward pass), which runs on both versions (marked both, not sampled).
 N_UNROLLED = 32
 FIXED = (26,)
 
 
 @pytest.mark.parametrize(
     "seed",
-    [s if s in FIXED else pytest.param(s, marks=pytest.mark.sampled) for s in range(N_UNROLLED)],
+    [
+        pytest.param(s, marks=pytest.mark.both if s in FIXED else pytest.mark.sampled)
+        for s in range(N_UNROLLED)
+    ],
 )
 def test_random_body_unrolled_whole_is_not_above_stock(seed):
     body = dataclasses.replace(bodies.draw_body(seed), unroll=True)
