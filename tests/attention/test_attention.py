@@ -29,11 +29,13 @@ def _arrays(b, t, s, n, k, h, seed=0, dtype=jnp.float32):
 
 def _values_and_grads(attn, q, k, v, bias=None, **kw):
     """The output, and the gradients of a random linear function of it w.r.t. q, k, v (and
-    the bias where given)."""
-    ct = jax.random.normal(jax.random.key(7), attn(q, k, v, bias, **kw).shape, jnp.float32)
+    the bias where given), in one jitted program."""
+    shape = jax.eval_shape(lambda *a: attn(*a, **kw), q, k, v, bias).shape
+    ct = jax.random.normal(jax.random.key(7), shape)
     argnums = (0, 1, 2, 3) if bias is not None else (0, 1, 2)
     loss = lambda *a: jnp.sum(attn(*a, **kw).astype(jnp.float32) * ct)
-    return attn(q, k, v, bias, **kw), jax.grad(loss, argnums)(q, k, v, bias)
+    run = lambda *a: (attn(*a, **kw), jax.grad(loss, argnums)(*a))
+    return jax.jit(run)(q, k, v, bias)
 
 
 def _check(b, t, s, n, k, h, bias_shape=None, mask_shape=None, blocks=None, **kw):
@@ -87,6 +89,16 @@ CASES = {
 @pytest.mark.parametrize("name", CASES)
 def test_values_and_gradients_equal_jax_nn(name):
     _check(**CASES[name], **SMALL)
+
+
+def test_eager_equals_jit():
+    """Outside jit (op by op) the values and gradients are the jitted ones (the cases above
+    compare jitted programs)."""
+    q, k, v = _arrays(1, 40, 40, 2, 1, 8)
+    attn = lambda q, k, v: jaxmem.attention(q, k, v, is_causal=True, block_q=16, block_k=16)
+    loss = lambda *a: jnp.sum(attn(*a) ** 2)
+    run = lambda *a: (attn(*a), jax.grad(loss, (0, 1, 2))(*a))
+    assert_trees_close(run(q, k, v), jax.jit(run)(q, k, v), rtol=RTOL)
 
 
 @pytest.mark.parametrize("t", [33, 50, 100])

@@ -101,17 +101,11 @@ def test_forward_mode_and_vmap():
     params, tokens = _params(), _tokens_of(32)
     opt = jaxmem.optimize(loss, chunk_tokens=True)
     tangent = jax.tree.map(lambda p: 0.1 * jnp.ones_like(p), params)
-    assert_trees_close(
-        jax.jvp(lambda p: opt(p, tokens), (params,), (tangent,)),
-        jax.jvp(lambda p: loss(p, tokens), (params,), (tangent,)),
-        rtol=RTOL,
-    )
+    jvp = lambda f: jax.jit(lambda p, t: jax.jvp(lambda p: f(p, tokens), (p,), (t,)))
+    assert_trees_close(jvp(opt)(params, tangent), jvp(loss)(params, tangent), rtol=RTOL)
     batch = _tokens_of(32, b=3)[:, None]
-    assert_trees_close(
-        jax.vmap(jax.grad(opt), (None, 0))(params, batch),
-        jax.vmap(jax.grad(loss), (None, 0))(params, batch),
-        rtol=RTOL,
-    )
+    batched = lambda f: jax.jit(jax.vmap(jax.grad(f), (None, 0)))
+    assert_trees_close(batched(opt)(params, batch), batched(loss)(params, batch), rtol=RTOL)
 
 
 def test_flax_multi_head_attention():
