@@ -8,9 +8,9 @@
 #   make test-compat   the oldest supported set-up: PYTHON=python3.11 (pip gives jax 0.10.2),
 #                      TEST_ARGS="tests src/jaxmem README.md docs": everything but the notebooks and
 #                      the tests of the demo and benchmark scripts (SCRIPT_TESTS)
+#   make test PYTHON=python3.11 TEST_ARGS=tests/test_api.py   any interpreter, any selection
 # JAXMEM_SHARD=i/n runs shard i of n of what either selects and JAXMEM_DRAWS=k one in k of the
 # random draws (conftest.py): .ci/run splits the suite between the two set-ups.
-#   make test PYTHON=python3.11 TEST_ARGS=tests/test_api.py   any interpreter, any selection
 
 # $(call resolve,python3.13): absolute path of that interpreter, empty when it does not run. A
 # pyenv shim of a version installed but not selected ("pyenv: python3.13: command not found")

@@ -75,6 +75,8 @@ def _fraction(name, default):
 
 _SHARD, _SHARDS = _fraction("JAXMEM_SHARD", "0/1")
 _DRAWS = int(os.environ.get("JAXMEM_DRAWS", "1"))
+if _DRAWS < 1:
+    raise ValueError(f"JAXMEM_DRAWS={_DRAWS}: expected a positive integer")
 
 
 def pytest_configure(config):
@@ -112,10 +114,10 @@ def pytest_collection_modifyitems(config, items):
             position[name] = position.get(name, -1) + 1
             draw = isinstance(seed, int)
             index = seed if draw else position[name]
-        if draw and index % _DRAWS:
-            dropped.append(item)
-            continue
         if draw:
+            if index % _DRAWS:
+                dropped.append(item)
+                continue
             index //= _DRAWS
         both = item.get_closest_marker("both") is not None
         (kept if both or _shard_of(item, index) == _SHARD else dropped).append(item)
