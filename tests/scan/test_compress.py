@@ -471,6 +471,30 @@ def test_compress_is_not_above_none_where_the_weights_dominate(fmt):
     assert [r.encoding for r in plan.stacked] == [None] * len(plan.stacked), plan
 
 
+def test_a_dropped_compress_differentiates_to_any_order():
+    """Where compress= is dropped (it saves nothing, above), every kept value is exact, so
+    grad of grad is compress=None's, not refused."""
+    step = lambda h, w: (jnp.tanh(h @ w.T), None)  # noqa: E731
+    rng = np.random.default_rng(0)
+    ws = jnp.asarray(rng.normal(size=(8, 128, 128)) / math.sqrt(128), jnp.float32)
+    h0, v = (jnp.asarray(rng.normal(size=(16, 128)), jnp.float32) for _ in range(2))
+
+    def loss(h0, compress):
+        return jnp.sum(jaxmem.scan(step, h0, ws, compress=compress)[0] ** 2)
+
+    def hvp(h0, compress):  # forward over reverse
+        return jax.jvp(lambda h: jax.grad(loss)(h, compress), (h0,), (v,))[1]
+
+    def reverse_over_reverse(h0, compress):
+        return jax.grad(lambda h: jnp.vdot(jax.grad(loss)(h, compress), v))(h0)
+
+    for second in (hvp, reverse_over_reverse):
+        second = jax.jit(second, static_argnums=1)
+        with pytest.warns(jaxmem.LintWarning, match="option_noop: compress='bf16' saves nothing"):
+            got = second(h0, "bf16")
+        np.testing.assert_array_equal(got, second(h0, None))
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_non_finite_values_stay_non_finite(fmt):
     x = jnp.asarray(np.random.default_rng(0).normal(size=(4, 32)), jnp.float32)

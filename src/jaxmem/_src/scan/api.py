@@ -243,7 +243,7 @@ def scan(
         raises ``NotImplementedError``: no derivative flows through the kept integer bits.
         Not with ``checkpoints``. Kept only where the loop's gradient, compiled alone with and
         without it when the loop is first differentiated, has less temp with it; else the loop
-        runs without it and warns ``option_noop``.
+        runs without it (exact, to any order) and warns ``option_noop``.
 
     Returns:
       ``(final_carry, stacked_ys)``, as :func:`jax.lax.scan`.
@@ -256,7 +256,8 @@ def scan(
         not positive or a string other than ``"sqrt"`` (a ``TypeError`` for a non-integer),
         ``checkpoints`` with an ``offload`` other than ``"carries"``/``"all"``, a ``compress``
         other than None, ``"bf16"``, ``"fp8"``, ``"int8"`` (or with ``checkpoints``).
-      NotImplementedError: higher-order differentiation of a scan with ``compress``.
+      NotImplementedError: higher-order differentiation of a scan whose ``compress`` encodes
+        a kept value.
 
     Every JAX transformation applies: forward mode (``jax.jvp``, ``jax.jacfwd``,
     ``jax.linearize``) computes ``lax.scan``'s JVP; ``jax.vmap`` keeps the lean VJP; grad of

@@ -207,11 +207,14 @@ class _LeanScan:
         return _primal_scan(self, consts, init, xs)
 
     def _fwd(self, consts, init, xs):
-        _compress.check_first_order(
-            self.opts.compress, (consts, init, xs), self.opts.fname, "the compressed values"
-        )
         plan = self.plan
         step_plan = plan.step
+        # After the plan: compress= that encodes nothing (dropped where it saves nothing, or no
+        # float kept) keeps every value exact, so higher-order derivatives are right.
+        if _encodes(step_plan):
+            _compress.check_first_order(
+                self.opts.compress, (consts, init, xs), self.opts.fname, "the compressed values"
+            )
         n_carry, n_y = self.body.n_carry, len(step_plan.y_outvars)
         hoisted = _jc.jaxpr_as_fun(step_plan.hoist)(*consts)
         forward = _jc.jaxpr_as_fun(step_plan.forward)
