@@ -11,6 +11,7 @@ encoded bits (``u16``/``u8``/``s8`` and ``f32`` scales) and the compiled temp dr
 from __future__ import annotations
 
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ import pytest
 
 import jaxmem
 from jaxmem._src.scan import compress as _compress
+from jaxmem._src.scan import residuals as _res
 from tests.compress_checks import check_encoded_stack
 from tests.helpers import JAX_VERSION
 
@@ -493,6 +495,30 @@ def test_a_dropped_compress_differentiates_to_any_order():
         with pytest.warns(jaxmem.LintWarning, match="option_noop: compress='bf16' saves nothing"):
             got = second(h0, "bf16")
         np.testing.assert_array_equal(got, second(h0, None))
+
+
+@pytest.mark.parametrize("dropped", [False, True])
+def test_the_compress_choice_plans_each_setting_once(monkeypatch, dropped):
+    """Choosing compress= (two compiles of the loop alone, at its first differentiated trace)
+    plans the step once per setting, the loop's own plan reusing the probes'."""
+    calls = []
+    plan_step = _res.plan_step
+    monkeypatch.setattr(_res, "plan_step", lambda *a: calls.append(a[-1]) or plan_step(*a))
+    # Shapes no other test traces (the choice is cached per loop signature).
+    if dropped:  # the weights dominate (as above): compress is dropped
+        step, h0, ws = lambda h, w: (jnp.tanh(h @ w.T), None), jnp.ones((16, 112)), (7, 112, 112)
+    else:
+        step, h0, ws = _cast_step, jnp.ones((48, 224)), (6, 224, 224)
+    ws = jnp.full(ws, 0.01)
+
+    def loss(h0, ws):
+        return jnp.sum(jaxmem.scan(step, h0, ws, compress="bf16")[0] ** 2)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", jaxmem.LintWarning)
+        jax.jit(jax.grad(loss)).lower(h0, ws)
+    assert any("saves nothing" in str(w.message) for w in caught) == dropped
+    assert sorted(map(str, calls)) == ["None", "bf16"], calls
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

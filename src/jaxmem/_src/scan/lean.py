@@ -133,6 +133,9 @@ class _LeanScan:
         # loop's gradient compiled alone both ways (set by :mod:`jaxmem._src.scan.primitive`,
         # which binds loops; None: compress kept as given). See :attr:`plan`.
         self.measure_compress = None
+        # Step plans by what they depend on, shared by this object's copies (the compress
+        # probes plan the two settings the loop's own plan needs).
+        self._steps: dict = {}
 
     @functools.cached_property
     def plan(self) -> _StackLayout:
@@ -143,10 +146,18 @@ class _LeanScan:
         names = opts.offload if isinstance(opts.offload, frozenset) else frozenset()
 
         def plan_step(compress):
-            n_carry = self.body.n_carry
-            return _res.plan_step(
-                jaxpr, self.n_consts, n_carry, in_avals, opts.recompute, names, compress
-            )
+            key = (jaxpr, self.n_consts, opts.recompute, names, compress)
+            if key not in self._steps:
+                self._steps[key] = _res.plan_step(
+                    jaxpr,
+                    self.n_consts,
+                    self.body.n_carry,
+                    in_avals,
+                    opts.recompute,
+                    names,
+                    compress,
+                )
+            return self._steps[key]
 
         step = plan_step(opts.compress)
         if opts.compress is not None and self.measure_compress is not None and _encodes(step):
