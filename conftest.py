@@ -74,9 +74,7 @@ def _fraction(name, default):
 
 
 _SHARD, _SHARDS = _fraction("JAXMEM_SHARD", "0/1")
-_DRAWS = int(os.environ.get("JAXMEM_DRAWS", "1"))
-if _DRAWS < 1:
-    raise ValueError(f"JAXMEM_DRAWS={_DRAWS}: expected a positive integer")
+from tests.helpers import DRAWS as _DRAWS  # noqa: E402  (after jax's set-up above)
 
 
 def pytest_configure(config):

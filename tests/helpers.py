@@ -34,10 +34,22 @@ JAX_VERSION = tuple(int(part) for part in jax.__version__.split(".")[:3])
 # Comparison helpers and references.
 
 
+def _draws_setting() -> int:
+    text = os.environ.get("JAXMEM_DRAWS", "1")
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"JAXMEM_DRAWS={text!r}: expected a positive integer")
+    return int(text)
+
+
+# One in DRAWS of the random draws runs (JAXMEM_DRAWS, for CI time; unset: all). Read here
+# alone: conftest.py thins the seeded draws of the tests marked ``sampled`` by it, draws() the
+# examples of the hypothesis searches.
+DRAWS = _draws_setting()
+
+
 def draws(n: int) -> int:
-    """How many of ``n`` random draws a test makes: one in ``JAXMEM_DRAWS`` (CI time; the seeded
-    draws of tests marked ``sampled`` are thinned alike by conftest.py), at least one."""
-    return max(1, n // int(os.environ.get("JAXMEM_DRAWS", "1")))
+    """How many of ``n`` random draws a test makes: one in :data:`DRAWS`, at least one."""
+    return max(1, n // DRAWS)
 
 
 def _is_float(x) -> bool:
