@@ -6,6 +6,10 @@
   in :data:`jaxmem._src.jax_compat.nn_functions`). The lengths of the attentions swapped are
   recorded: the tokens' axis lengths of the token-wise regions
   (:mod:`jaxmem._src.chunking.tokens`).
+- Equinox's ``eqx.nn.MultiheadAttention`` computes each head through
+  ``equinox.nn._attention.dot_product_attention`` (looked up by name at each call): where
+  Equinox is imported, it runs as :func:`jaxmem.attention` too, but with dropout on (its
+  original then runs).
 - ``jax.grad`` and ``jax.value_and_grad`` (which ``nnx.grad``, ``nnx.value_and_grad`` and
   Equinox's filtered ones call) differentiate the function as :func:`jaxmem.optimize` runs it:
   a train step's own loss is then chunked as a loss given to ``optimize`` is, its head and
@@ -18,6 +22,8 @@ acts for the thread that swapped it and calls the original for any other.
 from __future__ import annotations
 
 import contextlib
+import math
+import sys
 from collections.abc import Callable, Iterator
 
 import jax
@@ -33,6 +39,10 @@ XLA_ATTENTION = "_dot_product_attention_xla"
 _ORIGINAL = getattr(_jc.nn_functions, XLA_ATTENTION)
 _GRAD, _VALUE_AND_GRAD = jax.grad, jax.value_and_grad
 _jc.register_source_exclusion(__file__)  # an attention swapped is at its caller's line
+# Equinox's per-head attention, (query, key_, value, mask=None, dropout=None, *, key=None,
+# inference=None) on [T, H], [S, H], [S, H] and a [T, S] mask; its original once seen.
+EQUINOX_ATTENTION = ("equinox.nn._attention", "dot_product_attention")
+_equinox_original: Callable | None = None
 
 
 @contextlib.contextmanager
@@ -42,10 +52,23 @@ def swapping(record: list, wrap: Callable[[Callable], Callable]) -> Iterator[Non
     ``jax.grad`` and ``jax.value_and_grad`` are given differentiate ``wrap(fun)``."""
     with (
         patching.replaced(_jc.nn_functions, XLA_ATTENTION, _blocked_xla, record),
+        _swapping_equinox(record),
         patching.replaced(jax, "grad", _grad, wrap),
         patching.replaced(jax, "value_and_grad", _value_and_grad, wrap),
     ):
         yield
+
+
+def _swapping_equinox(record: list):
+    """Equinox's attention swapped where Equinox is imported (jaxmem does not import it)."""
+    global _equinox_original
+    module = sys.modules.get(EQUINOX_ATTENTION[0])
+    current = getattr(module, EQUINOX_ATTENTION[1], None)
+    if not callable(current):
+        return contextlib.nullcontext()
+    if current is not _blocked_equinox:
+        _equinox_original = current
+    return patching.replaced(module, EQUINOX_ATTENTION[1], _blocked_equinox, record)
 
 
 def _grad(fun, *args, **kwargs):
@@ -78,6 +101,43 @@ def _blocked_xla(query, key, value, bias, mask, *args, **kwargs):
     )
 
 
+def _blocked_equinox(query, key_, value, mask=None, dropout=None, *, key=None, inference=None):
+    module = sys.modules[EQUINOX_ATTENTION[0]]
+    record = patching.top(module, EQUINOX_ATTENTION[1])
+    t, h = query.shape
+    s = key_.shape[0]
+    plain = (
+        record is not None
+        and not _dropout_on(dropout, inference)
+        and key_.shape == (s, h)
+        and value.shape == (s, h)  # jaxmem.attention's value has the query's head size
+        and (mask is None or mask.shape == (t, s))  # else Equinox's own error
+    )
+    if not plain:
+        return _equinox_original(query, key_, value, mask, dropout, key=key, inference=inference)
+    record.append((t, s, _jc.summarize_source(_jc.current_source_info())))
+    options = _attention.Options(
+        1.0 / math.sqrt(h),
+        False,
+        None,
+        _attention.default_block(t, 1),
+        _attention.default_block(s, 1),
+    )
+    q, k, v = (a[None, :, None, :] for a in (query, key_, value))
+    mask = None if mask is None else mask[None, None]
+    return _attention.blocked(options, q, k, v, None, mask, None, None)[0, :, 0, :]
+
+
+def _dropout_on(dropout, inference) -> bool:
+    """Whether Equinox's ``dropout(weights, key=..., inference=inference)`` drops anything
+    (its own rule: off in inference mode or at p == 0)."""
+    if dropout is None:
+        return False
+    off = getattr(dropout, "inference", False) if inference is None else inference
+    p = getattr(dropout, "p", None)
+    return not (off is True or (isinstance(p, (int, float)) and p == 0))
+
+
 _PARAMS = ("is_causal", "scale", "q_seqlen", "kv_seqlen", "local_window_size", "return_residual")
 
 
@@ -89,8 +149,8 @@ def _xla_params(*args, **kwargs) -> dict:
 
 
 NO_ATTENTION = (
-    "chunk_tokens: no jax.nn.dot_product_attention call on the XLA path: no sequence length to "
-    "chunk over, nothing chunked"
+    "chunk_tokens: no jax.nn.dot_product_attention call on the XLA path and no Equinox "
+    "attention: no sequence length to chunk over, nothing chunked"
 )
 """What ``explain`` says where no attention was swapped."""
 
@@ -102,7 +162,8 @@ def warn_no_attention() -> None:
         "option_noop",
         "chunk_tokens=True",
         "found no jax.nn.dot_product_attention call on its XLA path (nnx.MultiHeadAttention's "
-        "included), so nothing is chunked along the tokens: attention written with einsums, "
-        "Flax linen's or Equinox's is not recognised (docs/long_context.md)",
+        "included) and no eqx.nn.MultiheadAttention, so nothing is chunked along the tokens: "
+        "attention written with einsums or Flax linen's is not recognised "
+        "(docs/long_context.md)",
         _findings.user_site(),
     )
