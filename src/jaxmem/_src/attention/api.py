@@ -46,15 +46,19 @@ class Options:
 
 def default_block(length: int, batch_heads: int) -> int:
     """The block size along a sequence of ``length`` for ``batch_heads`` = B * N logit rows
-    per query: the largest power of two up to 512 (and to the length, rounded up) whose square
-    block of logits fits 8 MiB in float32, at least 64.
+    per query: the largest power of two up to 512, and below the length, whose square block of
+    logits fits 8 MiB in float32, at least 64. Below the length: one block spanning the
+    sequence is dense attention with the online softmax's extra buffers (1.0x-1.7x jax.nn's
+    gradient temp, measured), two already keep less.
 
     Examples:
-      >>> default_block(4096, 4), default_block(100, 4), default_block(4096, 256)
-      (512, 128, 64)
+      >>> default_block(4096, 4), default_block(100, 4), default_block(512, 4)
+      (512, 64, 256)
+      >>> default_block(4096, 256)
+      64
     """
     block = _MAX_BLOCK
-    while block > _MIN_BLOCK and block // 2 >= length:
+    while block > _MIN_BLOCK and block >= length:
         block //= 2
     while block > _MIN_BLOCK and batch_heads * block * block * 4 > _BLOCK_BYTES:
         block //= 2
