@@ -40,9 +40,8 @@ _ORIGINAL = getattr(_jc.nn_functions, XLA_ATTENTION)
 _GRAD, _VALUE_AND_GRAD = jax.grad, jax.value_and_grad
 _jc.register_source_exclusion(__file__)  # an attention swapped is at its caller's line
 # Equinox's per-head attention, (query, key_, value, mask=None, dropout=None, *, key=None,
-# inference=None) on [T, H], [S, H], [S, H] and a [T, S] mask; its original once seen.
+# inference=None) on [T, H], [S, H], [S, H] and a [T, S] mask.
 EQUINOX_ATTENTION = ("equinox.nn._attention", "dot_product_attention")
-_equinox_original: Callable | None = None
 
 
 @contextlib.contextmanager
@@ -61,13 +60,9 @@ def swapping(record: list, wrap: Callable[[Callable], Callable]) -> Iterator[Non
 
 def _swapping_equinox(record: list):
     """Equinox's attention swapped where Equinox is imported (jaxmem does not import it)."""
-    global _equinox_original
     module = sys.modules.get(EQUINOX_ATTENTION[0])
-    current = getattr(module, EQUINOX_ATTENTION[1], None)
-    if not callable(current):
+    if not callable(getattr(module, EQUINOX_ATTENTION[1], None)):
         return contextlib.nullcontext()
-    if current is not _blocked_equinox:
-        _equinox_original = current
     return patching.replaced(module, EQUINOX_ATTENTION[1], _blocked_equinox, record)
 
 
@@ -86,19 +81,30 @@ def _blocked_xla(query, key, value, bias, mask, *args, **kwargs):
     record = patching.top(_jc.nn_functions, XLA_ATTENTION)
     if record is None or params["return_residual"]:
         return _ORIGINAL(query, key, value, bias, mask, *args, **kwargs)
-    b, t, n, _ = query.shape
-    s = key.shape[1]
-    record.append((t, s, _jc.summarize_source(_jc.current_source_info())))
-    options = _attention.Options(
+    return _run_blocked(
+        record,
+        (query, key, value, bias, mask, params["q_seqlen"], params["kv_seqlen"]),
         float(params["scale"]),
         bool(params["is_causal"]),
         _attention.window_of(params["local_window_size"]),
+    )
+
+
+def _run_blocked(record: list, arrays: tuple, scale: float, is_causal: bool, window):
+    """:func:`jaxmem._src.attention.api.blocked` of ``arrays`` (query, key, value, bias, mask,
+    q_seqlen, kv_seqlen; [B, T, N, H] inputs) with the default blocks, its lengths and the
+    caller's line appended to ``record``."""
+    b, t, n, _ = arrays[0].shape
+    s = arrays[1].shape[1]
+    record.append((t, s, _jc.summarize_source(_jc.current_source_info())))
+    options = _attention.Options(
+        scale,
+        is_causal,
+        window,
         _attention.default_block(t, b * n),
         _attention.default_block(s, b * n),
     )
-    return _attention.blocked(
-        options, query, key, value, bias, mask, params["q_seqlen"], params["kv_seqlen"]
-    )
+    return _attention.blocked(options, *arrays)
 
 
 def _blocked_equinox(query, key_, value, mask=None, dropout=None, *, key=None, inference=None):
@@ -114,18 +120,12 @@ def _blocked_equinox(query, key_, value, mask=None, dropout=None, *, key=None, i
         and (mask is None or mask.shape == (t, s))  # else Equinox's own error
     )
     if not plain:
-        return _equinox_original(query, key_, value, mask, dropout, key=key, inference=inference)
-    record.append((t, s, _jc.summarize_source(_jc.current_source_info())))
-    options = _attention.Options(
-        1.0 / math.sqrt(h),
-        False,
-        None,
-        _attention.default_block(t, 1),
-        _attention.default_block(s, 1),
-    )
+        original = patching.original(module, EQUINOX_ATTENTION[1])
+        return original(query, key_, value, mask, dropout, key=key, inference=inference)
     q, k, v = (a[None, :, None, :] for a in (query, key_, value))
     mask = None if mask is None else mask[None, None]
-    return _attention.blocked(options, q, k, v, None, mask, None, None)[0, :, 0, :]
+    arrays = (q, k, v, None, mask, None, None)
+    return _run_blocked(record, arrays, 1.0 / math.sqrt(h), False, None)[0, :, 0, :]
 
 
 def _dropout_on(dropout, inference) -> bool:
