@@ -465,24 +465,24 @@ def test_compress_is_not_above_none_where_the_weights_dominate(fmt):
     (benchmarks.compress's transposed_weights: 1.200x bf16, 1.086x fp8 and int8): the loop now
     runs without it there, says so, and reports what runs."""
     # h = tanh(h @ w.T) over [8, 128, 128] weights, batch 16: the kept h is 8 KiB a step.
-    step = lambda h, w: (jnp.tanh(h @ w.T), None)
     with pytest.warns(jaxmem.LintWarning, match=f"option_noop: compress='{fmt}' saves nothing"):
-        ours = _stack_temp(step, 8, 16, 128, fmt)
-    assert ours == _stack_temp(step, 8, 16, 128, None)
-    plan = jaxmem.scan_residuals(step, jnp.ones((16, 128)), jnp.ones((8, 128, 128)), compress=fmt)
+        ours = _stack_temp(_transposed_step, 8, 16, 128, fmt)
+    assert ours == _stack_temp(_transposed_step, 8, 16, 128, None)
+    plan = jaxmem.scan_residuals(
+        _transposed_step, jnp.ones((16, 128)), jnp.ones((8, 128, 128)), compress=fmt
+    )
     assert [r.encoding for r in plan.stacked] == [None] * len(plan.stacked), plan
 
 
 def test_a_dropped_compress_differentiates_to_any_order():
     """Where compress= is dropped (it saves nothing, above), every kept value is exact, so
     grad of grad is compress=None's, not refused."""
-    step = lambda h, w: (jnp.tanh(h @ w.T), None)  # noqa: E731
     rng = np.random.default_rng(0)
     ws = jnp.asarray(rng.normal(size=(8, 128, 128)) / math.sqrt(128), jnp.float32)
     h0, v = (jnp.asarray(rng.normal(size=(16, 128)), jnp.float32) for _ in range(2))
 
     def loss(h0, compress):
-        return jnp.sum(jaxmem.scan(step, h0, ws, compress=compress)[0] ** 2)
+        return jnp.sum(jaxmem.scan(_transposed_step, h0, ws, compress=compress)[0] ** 2)
 
     def hvp(h0, compress):  # forward over reverse
         return jax.jvp(lambda h: jax.grad(loss)(h, compress), (h0,), (v,))[1]
@@ -506,7 +506,7 @@ def test_the_compress_choice_plans_each_setting_once(monkeypatch, dropped):
     monkeypatch.setattr(_res, "plan_step", lambda *a: calls.append(a[-1]) or plan_step(*a))
     # Shapes no other test traces (the choice is cached per loop signature).
     if dropped:  # the weights dominate (as above): compress is dropped
-        step, h0, ws = lambda h, w: (jnp.tanh(h @ w.T), None), jnp.ones((16, 112)), (7, 112, 112)
+        step, h0, ws = _transposed_step, jnp.ones((16, 112)), (7, 112, 112)
     else:
         step, h0, ws = _cast_step, jnp.ones((48, 224)), (6, 224, 224)
     ws = jnp.full(ws, 0.01)
