@@ -108,14 +108,6 @@ def test_forward_mode_and_vmap():
     assert_trees_close(batched(opt)(params, batch), batched(loss)(params, batch), rtol=RTOL)
 
 
-def _assert_close_to_the_largest(got, want):
-    """Every leaf within RTOL of the largest gradient of all: the key bias's true gradient is
-    zero (softmax is shift-invariant), so both are rounding noise near 1e-9 there."""
-    largest = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(want))
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        assert float(jnp.max(jnp.abs(a - b))) <= RTOL * largest
-
-
 def test_flax_multi_head_attention():
     from flax import nnx
 
@@ -128,61 +120,13 @@ def test_flax_multi_head_attention():
         return jnp.mean(m(x, mask=nnx.make_causal_mask(x[..., 0])) ** 2)
 
     opt = jaxmem.optimize(loss, chunk_tokens=True)
-    _assert_close_to_the_largest(jax.grad(opt)(state, x), jax.grad(loss)(state, x))
+    got, want = jax.grad(opt)(state, x), jax.grad(loss)(state, x)
+    # The key bias's true gradient is zero (softmax is shift-invariant): both are rounding
+    # noise near 1e-9, so every leaf is compared at 1e-5 of the largest gradient of all.
+    largest = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(want))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert float(jnp.max(jnp.abs(a - b))) <= RTOL * largest
     assert "blocked (40 x 40)" in str(opt.explain(state, x))
-
-
-def _equinox_attention_loss(s, d=32, heads=4, dropout=0.0):
-    """A per-example ``eqx.nn.MultiheadAttention`` with a causal [S, S] mask, vmapped over the
-    batch, as Equinox's users write it: ``(loss(params, x, key), params)``."""
-    import equinox as eqx
-
-    mha = eqx.nn.MultiheadAttention(heads, d, dropout_p=dropout, key=jax.random.key(0))
-    params, static = eqx.partition(mha, eqx.is_array)
-
-    def loss(params, x, key):
-        m = eqx.combine(params, static)
-        mask = jnp.tril(jnp.ones((s, s), bool))
-        keys = jax.random.split(key, x.shape[0])
-        out = jax.vmap(lambda xi, k: m(xi, xi, xi, mask=mask, key=k))(x, keys)
-        return jnp.mean(out**2)
-
-    return loss, params
-
-
-def test_equinox_multihead_attention():
-    loss, params = _equinox_attention_loss(40)
-    x, key = jax.random.normal(jax.random.key(2), (2, 40, 32)), jax.random.key(3)
-    opt = jaxmem.optimize(loss, chunk_tokens=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", jaxmem.LintWarning)  # an attention was found
-        got = jax.jit(jax.grad(opt))(params, x, key)
-    _assert_close_to_the_largest(got, jax.jit(jax.grad(loss))(params, x, key))
-    assert "blocked (40 x 40)" in str(opt.explain(params, x, key))
-
-
-def test_equinox_attention_temp_is_not_quadratic():
-    """At 2048 tokens the gradient's temp is under a fifth of stock's (0.148x; stock keeps
-    [N, S, S] logits)."""
-    loss, params = _equinox_attention_loss(2048, d=32, heads=2)
-    x, key = jax.ShapeDtypeStruct((1, 2048, 32), jnp.float32), jax.random.key(3)
-
-    def temp(f):
-        compiled = jax.jit(jax.grad(f)).lower(params, x, key).compile()
-        return compiled.memory_analysis().temp_size_in_bytes
-
-    ours, stock = temp(jaxmem.optimize(loss, chunk_tokens=True)), temp(loss)
-    assert ours < 0.2 * stock, (ours, stock)
-
-
-def test_equinox_attention_with_dropout_is_warned_not_swapped():
-    """Dropout on the attention weights (Equinox's, in training mode) needs the weights: the
-    attention runs as Equinox's, and the call says nothing was chunked."""
-    loss, params = _equinox_attention_loss(24, dropout=0.5)
-    x, key = jax.random.normal(jax.random.key(2), (2, 24, 32)), jax.random.key(3)
-    with pytest.warns(jaxmem.LintWarning, match="option_noop: chunk_tokens=True found no"):
-        got = jax.jit(jax.grad(jaxmem.optimize(loss, chunk_tokens=True)))(params, x, key)
-    assert_trees_close(got, jax.jit(jax.grad(loss))(params, x, key), rtol=RTOL)
 
 
 def test_nothing_to_chunk_without_attention():

@@ -612,8 +612,7 @@ def optimize(
         op kind, as it was planned).
       chunk_tokens: long context (docs/long_context.md): each ``jax.nn.dot_product_attention``
         on its XLA path (Flax's ``nnx.dot_product_attention`` and ``nnx.MultiHeadAttention``
-        without dropout or sown weights included; each head of ``eqx.nn.MultiheadAttention``
-        without dropout) runs as :func:`jaxmem.attention`, and every
+        without dropout or sown weights included) runs as :func:`jaxmem.attention`, and every
         token-wise region (norms, projections, the MLP, the LM head and its loss: the
         equations that map each position on its own) whose largest intermediate is over 4 MiB
         runs in chunks of tokens, its gradient recomputing each chunk; the gradient's temp then

@@ -6,8 +6,8 @@ acting for the threads that replaced them.
 replaced while any thread's trace is within :func:`replaced` and restored as it was (an
 instance attribute that shadowed its class's is removed again) when the last leaves. Each
 thread keeps a stack of states per attribute: the replacement reads this thread's innermost
-(:func:`top`) and calls the original (:func:`original`) where it is None (another thread's
-call, or one turned off by :func:`passing`).
+(:func:`top`) and calls the original where it is None (another thread's call, or one turned off
+by :func:`passing`).
 """
 
 from __future__ import annotations
@@ -58,19 +58,6 @@ def passing(owner, name: str) -> Iterator[None]:
         yield
     finally:
         stack.pop()
-
-
-def original(owner, name: str):
-    """What ``owner.name`` was before it was replaced (itself where it is not replaced now: a
-    replacement called after the last thread left)."""
-    with _LOCK:
-        active = _ACTIVE.get((id(owner), name))
-    if active is None:
-        return getattr(owner, name)
-    if active[1] is not _ABSENT:
-        return active[1]
-    attribute = getattr(type(owner), name)  # the class's, as the instance read it
-    return attribute.__get__(owner, type(owner)) if hasattr(attribute, "__get__") else attribute
 
 
 def top(owner, name: str):
